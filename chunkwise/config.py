@@ -1,0 +1,191 @@
+"""Model configuration read from an HF `config.json`, for every family both engines serve.
+
+Both engines read the same `ModelConfig`; neither looks at the raw JSON. Everything that differs between
+families is a field here, so the model code has no `if family == ...` beyond what these fields say.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+ROPE_TYPES = ("default", "linear", "llama3")
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def inv_freq(self, head_dim: int) -> torch.Tensor:
+        """Inverse frequencies [head_dim // 2] in float32, with the checkpoint's scaling applied."""
+        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if self.rope_type == "linear":
+            return inv / self.factor
+        if self.rope_type == "llama3":
+            # Meta's llama3 scaling: long wavelengths slowed by `factor`, short kept, smooth in between.
+            low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
+            high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            scaled = torch.where(wavelen > low_wavelen, inv / self.factor, inv)
+            smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor)
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+            return torch.where(medium, smoothed, scaled)
+        return inv
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str                      # "silu" or "gelu_pytorch_tanh" (gated MLP either way)
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool                 # bias on q/k/v projections (Qwen2)
+    qk_norm: bool                        # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3)
+    layer_types: tuple[str, ...]         # FULL or SLIDING, one per layer
+    sliding_window: int | None           # a SLIDING layer's query sees the last `sliding_window` positions
+    rope: dict[str, RopeConfig]          # per layer type
+    attn_scale: float                    # softmax scale
+    embed_scale: float | None            # Gemma: embeddings times sqrt(hidden_size), rounded to the dtype
+    norm_plus_one: bool                  # Gemma: RMSNorm weight applied as (1 + w)
+    sandwich_norms: bool                 # Gemma: norms before and after both attention and MLP
+    final_logit_softcapping: float | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, or None for full attention."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
+    def rope_for(self, layer: int) -> RopeConfig:
+        return self.rope[self.layer_types[layer]]
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"no config.json in checkpoint directory {path.parent}")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        model_type = d.get("model_type")
+        if model_type not in FAMILIES:
+            raise ValueError(f"model_type {model_type!r} is not supported; expected one of {FAMILIES}")
+        gemma = model_type == "gemma3_text"
+
+        def need(key: str):
+            if d.get(key) is None:
+                raise ValueError(f"config.json field {key!r} is missing (model_type {model_type!r})")
+            return d[key]
+
+        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        layers = int(need("num_hidden_layers"))
+        kv_heads = int(d.get("num_key_value_heads") or heads)
+        for key, value in (("hidden_size", hidden), ("num_attention_heads", heads),
+                           ("num_key_value_heads", kv_heads), ("num_hidden_layers", layers)):
+            if value < 1:
+                raise ValueError(f"config.json field {key!r} must be >= 1, got {value}")
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads={heads} is not divisible by num_key_value_heads={kv_heads}")
+        head_dim = d.get("head_dim")
+        if head_dim is None:
+            if hidden % heads:
+                raise ValueError(f"hidden_size={hidden} is not divisible by num_attention_heads={heads} "
+                                 f"and config.json has no 'head_dim'")
+            head_dim = hidden // heads
+        head_dim = int(head_dim)
+        if head_dim % 2:
+            raise ValueError(f"head_dim={head_dim} must be even for RoPE")
+
+        layer_types = tuple(d.get("layer_types") or _default_layer_types(d, model_type, layers))
+        if len(layer_types) != layers or not set(layer_types) <= {FULL, SLIDING}:
+            raise ValueError(f"config.json field 'layer_types' must list {layers} entries of {FULL!r} or "
+                             f"{SLIDING!r}, got {list(layer_types)}")
+        window = d.get("sliding_window")
+        if SLIDING in layer_types and (window is None or int(window) < 1):
+            raise ValueError(f"config.json field 'sliding_window' must be >= 1 for sliding layers, got {window}")
+
+        if gemma:
+            scale = float(d.get("query_pre_attn_scalar") or head_dim) ** -0.5
+        else:
+            scale = head_dim ** -0.5
+        act = d.get("hidden_activation") or d.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"config.json activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            model_type=model_type, vocab_size=int(need("vocab_size")), hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")), num_layers=layers, num_heads=heads,
+            num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            hidden_act=act, max_position_embeddings=int(d.get("max_position_embeddings") or 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
+            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            layer_types=layer_types, sliding_window=int(window) if SLIDING in layer_types else None,
+            rope=_rope_configs(d, model_type), attn_scale=scale,
+            embed_scale=hidden ** 0.5 if gemma else None, norm_plus_one=gemma, sandwich_norms=gemma,
+            final_logit_softcapping=d.get("final_logit_softcapping"),
+            bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids,
+        )
+
+
+def _default_layer_types(d: dict, model_type: str, layers: int) -> list[str]:
+    """Layer types for configs written before `layer_types` existed (transformers 4)."""
+    if model_type == "mistral":
+        return [SLIDING if d.get("sliding_window") else FULL] * layers
+    if model_type in ("qwen2", "qwen3"):
+        first = int(d.get("max_window_layers", layers))
+        return [SLIDING if d.get("use_sliding_window") and i >= first else FULL for i in range(layers)]
+    if model_type == "gemma3_text":
+        pattern = int(d.get("sliding_window_pattern", 6))
+        return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers)]
+    return [FULL] * layers
+
+
+def _rope_configs(d: dict, model_type: str) -> dict[str, RopeConfig]:
+    """RoPE per layer type, from transformers 5's `rope_parameters` or 4's `rope_theta`/`rope_scaling`."""
+    params = d.get("rope_parameters")
+    if params is None:
+        params = dict(d.get("rope_scaling") or {})
+        params["rope_theta"] = d.get("rope_theta", 10000.0)
+        if model_type == "gemma3_text":
+            params = {FULL: params, SLIDING: {"rope_theta": d.get("rope_local_base_freq", 10000.0)}}
+    if FULL not in params and SLIDING not in params:
+        params = {FULL: params, SLIDING: params}
+    return {kind: _rope(params.get(kind) or params.get(FULL) or params.get(SLIDING)) for kind in (FULL, SLIDING)}
+
+
+def _rope(p: dict) -> RopeConfig:
+    rope_type = p.get("rope_type") or p.get("type") or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"config.json rope_type {rope_type!r} is not supported; expected one of {ROPE_TYPES}")
+    if p.get("rope_theta") is None:
+        raise ValueError("config.json field 'rope_theta' is missing")
+    kw = {k: p[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+          if p.get(k) is not None}
+    return RopeConfig(theta=float(p["rope_theta"]), rope_type=rope_type, **kw)
