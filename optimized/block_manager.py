@@ -1,0 +1,152 @@
+"""The page pool: per-sequence block tables, reference counts, and the prefix cache of full pages.
+
+A full page is cached under a hash chain over every token before it plus its own tokens, so a page is
+reused only under exactly the same prefix (DESIGN.md, lesson 2). The token ids and the parent hash are
+stored beside the hash and compared on every hit, so even a hash collision cannot hand out wrong K/V.
+A page is in exactly one of three states:
+  in use      ref_count > 0 (shared when > 1; only cached full pages are ever shared)
+  evictable   ref_count == 0, still cached; reusable until evicted in LRU order
+  free        ref_count == 0, not cached
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from optimized.sequence import Sequence
+
+
+def page_hash(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
+    """Stable hash-chain link: sha256 over the parent page's hash and this page's token ids."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+
+
+@dataclass
+class Page:
+    page_id: int
+    ref_count: int = 0
+    hash: bytes | None = None                 # set while the page is in the prefix cache
+    parent_hash: bytes = b""
+    token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+        if not isinstance(num_pages, int) or num_pages < 1:
+            raise ValueError(f"num_pages must be an integer >= 1, got {num_pages!r}")
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pages = [Page(i) for i in range(num_pages)]
+        self.free_page_ids: deque[int] = deque(range(num_pages))
+        self.evictable: OrderedDict[int, None] = OrderedDict()   # least recently freed first
+        self.cached: dict[bytes, int] = {}                        # hash -> page id
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages an allocation can take now: free ones plus evictable cached ones."""
+        return len(self.free_page_ids) + len(self.evictable)
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Take the cached full pages that continue seq's hash chain; returns the tokens they hold.
+
+        The last token is never taken from the cache, so every admission computes at least one token
+        (its logits give the next token).
+        """
+        if seq.block_table or seq.num_computed_tokens:
+            raise ValueError(f"sequence {seq.seq_id} already holds pages {seq.block_table}; match_prefix is "
+                             f"for admission only")
+        first_admission = seq.num_preemptions == 0
+        if self.enable_prefix_caching:
+            parent = b""
+            for i in range((seq.num_tokens - 1) // self.page_size):
+                tokens = tuple(seq.token_ids[i * self.page_size:(i + 1) * self.page_size])
+                h = page_hash(parent, tokens)
+                page_id = self.cached.get(h)
+                if page_id is None:
+                    break
+                page = self.pages[page_id]
+                if page.token_ids != tokens or page.parent_hash != parent:
+                    break
+                if page.ref_count == 0:
+                    del self.evictable[page_id]
+                page.ref_count += 1
+                seq.block_table.append(page_id)
+                seq.page_hashes.append(h)
+                parent = h
+        seq.num_computed_tokens = len(seq.block_table) * self.page_size
+        if first_admission:
+            seq.num_cached_tokens = seq.num_computed_tokens
+        return seq.num_computed_tokens
+
+    def num_new_pages(self, seq: Sequence, num_new_tokens: int) -> int:
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        return max(0, self.pages_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.num_new_pages(seq, num_new_tokens) <= self.num_free_pages
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Extend seq.block_table to cover num_computed_tokens + num_new_tokens tokens."""
+        need = self.num_new_pages(seq, num_new_tokens)
+        if need > self.num_free_pages:
+            raise ValueError(f"sequence {seq.seq_id} needs {need} new pages for {num_new_tokens} tokens, "
+                             f"only {self.num_free_pages} are free (call can_allocate first)")
+        for _ in range(need):
+            page = self.pages[self._take_page()]
+            page.ref_count = 1
+            seq.block_table.append(page.page_id)
+
+    def _take_page(self) -> int:
+        """A free page if there is one, else the least recently used evictable page, dropped from the cache."""
+        if self.free_page_ids:
+            return self.free_page_ids.popleft()
+        page_id, _ = self.evictable.popitem(last=False)
+        page = self.pages[page_id]
+        del self.cached[page.hash]
+        page.hash, page.parent_hash, page.token_ids = None, b"", ()
+        return page_id
+
+    def commit(self, seq: Sequence) -> None:
+        """After a step wrote K/V: cache the pages that became full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.page_size
+        if num_full > len(seq.block_table):
+            raise ValueError(f"sequence {seq.seq_id} has {seq.num_computed_tokens} computed tokens but only "
+                             f"{len(seq.block_table)} pages")
+        for i in range(len(seq.page_hashes), num_full):
+            parent = seq.page_hashes[-1] if seq.page_hashes else b""
+            tokens = tuple(seq.token_ids[i * self.page_size:(i + 1) * self.page_size])
+            h = page_hash(parent, tokens)
+            seq.page_hashes.append(h)
+            page = self.pages[seq.block_table[i]]
+            # Another sequence may have cached the same content first: keep that one, this page stays private.
+            if h not in self.cached:
+                self.cached[h] = page.page_id
+                page.hash, page.parent_hash, page.token_ids = h, parent, tokens
+
+    def free(self, seq: Sequence) -> None:
+        """Give back seq's pages: cached ones become evictable, the rest free. Resets seq to no pages."""
+        # Tail pages first, so that under LRU a prefix's later pages are evicted before its head.
+        for page_id in reversed(seq.block_table):
+            page = self.pages[page_id]
+            if page.ref_count < 1:
+                raise ValueError(f"page {page_id} of sequence {seq.seq_id} has ref_count {page.ref_count}")
+            page.ref_count -= 1
+            if page.ref_count == 0:
+                if page.hash is not None:
+                    self.evictable[page_id] = None
+                else:
+                    self.free_page_ids.append(page_id)
+        seq.block_table = []
+        seq.page_hashes = []
+        seq.num_computed_tokens = 0

@@ -1,0 +1,236 @@
+"""Continuous batching: each step mixes decodes with prefill chunks under a token budget and a page pool.
+
+Order of a step: decodes of running sequences (oldest first), then prefill chunks of running sequences,
+then admissions from the waiting queue (first come, first served). A caller's chunk_sizes are honoured
+exactly: a chunk that does not fit the remaining budget waits for a later step, and a chunk larger than
+the whole budget runs alone in a step of its own. When pages run out, the newest running sequences are
+preempted: their pages are freed and they recompute (split by the budget) once readmitted.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from optimized.block_manager import BlockManager
+from optimized.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+
+    def __post_init__(self):
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}")
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)   # computed this step from seq.num_computed_tokens
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def samples(self) -> list[bool]:
+        """Per seq: whether this step computes its last token, so the engine must sample its next one."""
+        return [s.num_computed_tokens + n == s.num_tokens for s, n in zip(self.seqs, self.num_new_tokens)]
+
+
+class _Plan:
+    """A step under construction: tokens per sequence (insertion order), the budget left, preemptions."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.tokens: dict[int, tuple[Sequence, int]] = {}
+        self.preempted: list[Sequence] = []
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.tokens[seq.seq_id] = (seq, n)
+        self.budget -= n
+
+    def drop(self, seq: Sequence) -> None:
+        if seq.seq_id in self.tokens:
+            self.budget += self.tokens.pop(seq.seq_id)[1]
+
+    def batch(self) -> ScheduledBatch:
+        entries = list(self.tokens.values())
+        return ScheduledBatch([s for s, _ in entries], [n for _, n in entries], self.preempted)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids=()):
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []        # sorted by arrival: the newest is last
+        self.seqs: dict[int, Sequence] = {}      # every unfinished sequence by id
+        self._alone: Sequence | None = None      # its oversized chunk runs alone in the next step
+
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self.seqs:
+            raise ValueError(f"sequence id {seq.seq_id!r} is already scheduled")
+        if seq.status is not SequenceStatus.WAITING or seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id} is {seq.status.name} with pages {seq.block_table}; "
+                             f"only a new sequence can be added")
+        # The last sampled token is never computed, so the cache holds at most prompt + max_tokens - 1.
+        most = seq.num_prompt_tokens + seq.sampling_params.max_tokens - 1
+        bm = self.block_manager
+        if bm.pages_needed(most) > bm.num_pages:
+            raise ValueError(f"sequence {seq.seq_id}: {seq.num_prompt_tokens} prompt tokens + max_tokens "
+                             f"{seq.sampling_params.max_tokens} need {bm.pages_needed(most)} pages of "
+                             f"{bm.page_size}, the pool has {bm.num_pages}")
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs)
+
+    def schedule(self) -> ScheduledBatch:
+        plan = _Plan(self.config.max_num_batched_tokens)
+        alone, self._alone = self._alone, None
+        if alone is not None and not alone.is_finished and self._schedule_alone(alone, plan):
+            return plan.batch()
+        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
+            if plan.budget <= 0:
+                break
+            if seq.status is SequenceStatus.RUNNING:   # not preempted earlier in this loop
+                self._reserve(seq, 1, plan)
+        for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
+            if plan.budget <= 0 or self._alone is not None:
+                break
+            if seq.status is SequenceStatus.RUNNING:
+                n = self._chunk(seq, plan)
+                if n > 0:
+                    self._reserve(seq, n, plan)
+        if self._alone is None:
+            self._admit(plan)
+        return plan.batch()
+
+    def _chunk(self, seq: Sequence, plan: _Plan) -> int:
+        """Tokens seq computes next: up to its next caller boundary, else what the budget leaves.
+
+        0: waits for a later step; -1: its oversized chunk must run alone, nothing more is scheduled now.
+        """
+        if not seq.follows_chunk_sizes():
+            return min(seq.num_uncomputed_tokens, plan.budget)
+        want = seq.next_chunk_end() - seq.num_computed_tokens
+        if want <= plan.budget:
+            return want
+        if want > self.config.max_num_batched_tokens:
+            if not plan.tokens:
+                return want
+            self._alone = seq
+            return -1
+        return 0
+
+    def _reserve(self, seq: Sequence, n: int, plan: _Plan) -> bool:
+        """Pages for n more tokens of running seq, preempting the newest running seqs; False if seq itself was."""
+        bm = self.block_manager
+        while not bm.can_allocate(seq, n):
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is seq:
+                return False
+        bm.allocate(seq, n)
+        plan.add(seq, n)
+        return True
+
+    def _preempt(self, seq: Sequence, plan: _Plan) -> None:
+        self.running.remove(seq)
+        plan.drop(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        plan.preempted.append(seq)
+
+    def _admit(self, plan: _Plan) -> None:
+        """Admit waiting seqs in order while budget, seq cap and pages allow; none in a step that preempted."""
+        while self.waiting and not plan.preempted and plan.budget > 0 \
+                and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._try_admit(seq, plan):
+                return
+
+    def _try_admit(self, seq: Sequence, plan: _Plan) -> bool:
+        bm = self.block_manager
+        cached_before = seq.num_cached_tokens
+        bm.match_prefix(seq)
+        n = self._chunk(seq, plan)
+        if n <= 0 or not bm.can_allocate(seq, n):
+            bm.free(seq)
+            seq.num_cached_tokens = cached_before
+            return False
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.arrival)
+        bm.allocate(seq, n)
+        plan.add(seq, n)
+        return True
+
+    def _schedule_alone(self, seq: Sequence, plan: _Plan) -> bool:
+        """The step that runs seq's oversized chunk and nothing else."""
+        if seq.status is SequenceStatus.RUNNING:
+            n = self._chunk(seq, plan)
+            return n > 0 and self._reserve(seq, n, plan)
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        return self._try_admit(seq, plan)
+
+    def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
+        """Advance the batch's seqs after the model ran; append sampled tokens; returns newly finished seqs."""
+        finished = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.status is not SequenceStatus.RUNNING:   # aborted between schedule and postprocess
+                continue
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue
+            if seq.seq_id not in sampled:
+                raise ValueError(f"sequence {seq.seq_id} computed all its tokens but no sampled token was given")
+            token = sampled[seq.seq_id]
+            seq.token_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.sampling_params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if seq.num_generated_tokens >= params.max_tokens:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self.seqs[seq.seq_id]
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Stop a sequence wherever it is and free its pages; None if no unfinished sequence has that id."""
+        seq = self.seqs.get(seq_id)
+        if seq is not None:
+            self._finish(seq, "abort")
+        return seq

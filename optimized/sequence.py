@@ -1,0 +1,98 @@
+"""One request as the scheduler and the page pool see it: its tokens, its pages, how far it is computed."""
+from __future__ import annotations
+
+import enum
+import itertools
+
+from chunkwise.sampling import SamplingParams
+
+_arrivals = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Sequence:
+    """A request: prompt + generated tokens, its block table, and how many of its tokens have K/V in the cache.
+
+    Invariant: tokens [0, num_computed_tokens) have K/V in the pages of block_table, in order; the last
+    token of a decoding sequence (the one just sampled) is never computed yet.
+    """
+
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
+                 chunk_sizes: list[int] | None = None):
+        prompt_token_ids = list(prompt_token_ids)
+        if not prompt_token_ids:
+            raise ValueError(f"sequence {seq_id}: empty prompt")
+        for i, t in enumerate(prompt_token_ids):
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"sequence {seq_id}: prompt token {i} is {t!r}, not a token id (an int >= 0)")
+        if chunk_sizes is not None:
+            chunk_sizes = list(chunk_sizes)
+            for c in chunk_sizes:
+                if not isinstance(c, int) or isinstance(c, bool) or c < 1:
+                    raise ValueError(f"sequence {seq_id}: chunk size {c!r} is not an integer >= 1")
+            if sum(chunk_sizes) != len(prompt_token_ids):
+                raise ValueError(f"sequence {seq_id}: chunk sizes {chunk_sizes} sum to {sum(chunk_sizes)}, "
+                                 f"not the prompt length {len(prompt_token_ids)}")
+        self.seq_id = seq_id
+        self.arrival = next(_arrivals)    # order of creation: "newest" for preemption is the largest
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
+        self.chunk_sizes = chunk_sizes
+        self.token_ids = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.block_table: list[int] = []
+        self.page_hashes: list[bytes] = []   # hash-chain value of each full page of block_table, in order
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"pages={self.block_table}, {self.status.name})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def follows_chunk_sizes(self) -> bool:
+        """Whether the next step must end at one of the caller's chunk boundaries.
+
+        After a preemption the caller's chunks no longer apply: the recompute is split by the budget.
+        """
+        return (self.chunk_sizes is not None and self.num_preemptions == 0
+                and self.num_computed_tokens < self.num_prompt_tokens)
+
+    def next_chunk_end(self) -> int:
+        """The first caller chunk boundary past num_computed_tokens (a prefix-cache hit may end mid-chunk)."""
+        end = 0
+        for c in self.chunk_sizes:
+            end += c
+            if end > self.num_computed_tokens:
+                return end
+        raise ValueError(f"sequence {self.seq_id}: no chunk left after {self.num_computed_tokens} tokens")
