@@ -1,0 +1,116 @@
+"""Checkpoints by name: tiny random ones written by HF transformers itself, and the real ones.
+
+`tiny_checkpoint(family, seed, **overrides)` builds `XConfig(...)`, instantiates the model with
+`AutoModelForCausalLM.from_config` under a fixed seed and saves it with `save_pretrained`, so the tensor
+names and layouts come from transformers, not from this project. Directories are cached under
+$CHUNKWISE_CACHE (default ~/.cache/chunkwise), keyed by a hash of the arguments.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+TINY_NAMES = {"tiny-llama": "llama", "tiny-mistral": "mistral", "tiny-qwen2": "qwen2",
+              "tiny-qwen3": "qwen3", "tiny-gemma3": "gemma3_text"}
+REAL_NAMES = ("gemma3-270m", "qwen2.5-coder-0.5b")
+FAMILY_ALIASES = {"gemma3": "gemma3_text"}
+
+# Bump when the factory's defaults change, so stale cached directories are not reused.
+_FACTORY_VERSION = 1
+
+_COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+               rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+# initializer_range 0.1 gives varied greedy output for these four; Gemma 3 collapses there, and its
+# default 0.02 works (DESIGN.md, "Checkpoints").
+_DEFAULTS = {
+    "llama": dict(_COMMON, initializer_range=0.1, tie_word_embeddings=False),
+    "mistral": dict(_COMMON, initializer_range=0.1, tie_word_embeddings=False, sliding_window=24),
+    "qwen2": dict(_COMMON, initializer_range=0.1, tie_word_embeddings=True),
+    "qwen3": dict(_COMMON, initializer_range=0.1, tie_word_embeddings=False),
+    "gemma3_text": dict(_COMMON, initializer_range=0.02, num_key_value_heads=1, query_pre_attn_scalar=32,
+                        sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                        tie_word_embeddings=True),
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("CHUNKWISE_CACHE") or Path.home() / ".cache" / "chunkwise")
+
+
+def _family(family: str) -> str:
+    family = FAMILY_ALIASES.get(family, family)
+    if family not in _DEFAULTS:
+        raise ValueError(f"unknown model family {family!r}; expected one of {sorted(_DEFAULTS)}")
+    return family
+
+
+def tiny_config_dict(family: str, **overrides) -> dict:
+    """The keyword arguments given to the family's HF config class."""
+    kw = dict(_DEFAULTS[_family(family)])
+    kw.update(overrides)
+    if "num_hidden_layers" in overrides and "layer_types" in kw and "layer_types" not in overrides:
+        # Gemma's default pattern: every other layer slides, the last one attends fully.
+        n = kw["num_hidden_layers"]
+        kw["layer_types"] = ["full_attention" if (i % 2 or i == n - 1) else "sliding_attention"
+                             for i in range(n)]
+    return kw
+
+
+def tiny_checkpoint(family: str, seed: int = 0, **overrides) -> Path:
+    """A cached directory holding a tiny random float32 checkpoint of `family`, written by transformers."""
+    family = _family(family)
+    kw = tiny_config_dict(family, **overrides)
+    key = json.dumps({"v": _FACTORY_VERSION, "family": family, "seed": seed, "config": kw}, sort_keys=True)
+    path = cache_root() / "tiny" / f"{family}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if (path / "config.json").is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Written into a temporary sibling and renamed, so a concurrent reader never sees half a checkpoint.
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=path.name + ".tmp"))
+    try:
+        _write_tiny(family, seed, kw, tmp)
+        os.replace(tmp, path)
+    except OSError:
+        if not (path / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _write_tiny(family: str, seed: int, kw: dict, out: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, **kw)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        # A large final-norm weight scales the logits, widening top-2 margins without changing argmax.
+        # Gemma applies the weight as (1 + w), so 7 there is the same factor 8.
+        model.model.norm.weight.fill_(7.0 if family == "gemma3_text" else 8.0)
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def resolve_model(name_or_path: str | os.PathLike) -> Path:
+    """A checkpoint directory from a path, a tiny name ("tiny-llama", ...) or a real name ("gemma3-270m", ...)."""
+    name = str(name_or_path)
+    if name in TINY_NAMES:
+        return tiny_checkpoint(TINY_NAMES[name])
+    if name in REAL_NAMES:
+        from chunkwise import real_checkpoints
+        return Path(real_checkpoints.prepare(name))
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"checkpoint directory {path} has no config.json")
+        return path
+    raise ValueError(f"model {name!r} is neither a checkpoint directory nor a built-in name "
+                     f"{sorted(TINY_NAMES) + list(REAL_NAMES)}")

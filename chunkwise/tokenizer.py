@@ -1,0 +1,88 @@
+"""The checkpoint's HF tokenizer (when it has one) and prompt validation shared by both engines.
+
+A prompt is a string (needs a tokenizer) or a list of token ids. Tiny test checkpoints have no
+tokenizer; their prompts are token ids and their outputs have empty text.
+"""
+from __future__ import annotations
+
+import numbers
+from pathlib import Path
+
+from chunkwise.config import ModelConfig
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def load_tokenizer(ckpt_dir: str | Path):
+    """HF's tokenizer from `ckpt_dir`, or None when the directory holds no tokenizer files."""
+    ckpt_dir = Path(ckpt_dir)
+    if not any((ckpt_dir / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(ckpt_dir))
+
+
+def _is_token_list(x) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(_is_int(t) for t in x)
+
+
+def _is_int(t) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
+def as_prompt_list(prompts) -> list:
+    """One prompt (a string or a list of ids) or a list of prompts, as a list of prompts."""
+    if hasattr(prompts, "tolist"):  # a tensor or array of ids, one prompt or a batch
+        prompts = prompts.tolist()
+    if isinstance(prompts, str) or _is_token_list(prompts):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+        raise ValueError(f"prompts must be a string, a list of token ids, or a non-empty list of those; "
+                         f"got {type(prompts).__name__} {prompts!r:.80}")
+    return list(prompts)
+
+
+def encode_prompts(prompts, tokenizer, cfg: ModelConfig) -> list[list[int]]:
+    """Token ids of each prompt. ValueError names the prompt index for an empty prompt, a string
+    without a tokenizer, or a token id outside [0, vocab_size)."""
+    out = []
+    for i, p in enumerate(as_prompt_list(prompts)):
+        if hasattr(p, "tolist"):
+            p = p.tolist()
+        if isinstance(p, str):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            if tokenizer is None:
+                raise ValueError(f"prompt {i} is text but the checkpoint has no tokenizer; pass token ids")
+            ids = list(tokenizer.encode(p))
+        elif isinstance(p, (list, tuple)):
+            ids = list(p)
+        else:
+            raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        for t in ids:
+            if not _is_int(t):
+                raise ValueError(f"prompt {i} holds {t!r}, which is not an integer token id")
+            if not 0 <= int(t) < cfg.vocab_size:
+                raise ValueError(f"prompt {i} holds token id {t!r}, outside the vocabulary [0, {cfg.vocab_size})")
+        out.append([int(t) for t in ids])
+    return out
+
+
+def decode(tokenizer, token_ids: list[int]) -> str:
+    """Text of generated tokens; empty without a tokenizer."""
+    if tokenizer is None:
+        return ""
+    return tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def chat_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a chat (`[{"role": ..., "content": ...}]`) through the checkpoint's chat template,
+    ending with the assistant's turn opened."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the checkpoint's tokenizer has no chat template")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
