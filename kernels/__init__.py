@@ -1,0 +1,23 @@
+"""Triton kernels for a paged KV cache, each beside a PyTorch reference of itself.
+
+KV cache layout, per layer: `k_cache`, `v_cache` of shape [num_pages, page_size, num_kv_heads, head_dim]
+(slot = page_id * page_size + offset). A token's heads and head_dim are contiguous, so one KV head of one
+position is a contiguous run of head_dim elements: the attention kernels read it coalesced.
+"""
+import os
+
+import torch
+
+# Triton reads TRITON_INTERPRET on import: CPU-only users get the interpreter, which runs the same kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
+from kernels.split_kv import merge_splits, merge_splits_ref, split_kv_decode, split_kv_decode_ref  # noqa: E402
+from kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
+
+__all__ = [
+    "store_kv", "store_kv_ref",
+    "paged_attention", "paged_attention_ref",
+    "split_kv_decode", "split_kv_decode_ref", "merge_splits", "merge_splits_ref",
+]

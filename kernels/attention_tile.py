@@ -1,0 +1,106 @@
+"""The KV loop shared by the attention kernels, and the PyTorch reference both are checked against.
+
+Tiles sit at absolute positions: tile t covers positions [t * BLOCK_N, (t + 1) * BLOCK_N) of the sequence,
+whatever the chunk start or page size, and every query row folds the tiles in increasing order. A tile that
+is fully masked for a row leaves that row's state bitwise unchanged, so a row's result depends only on its
+own position and the cache, not on which other rows share its program (chunking, batch, page size).
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+def check_window(sliding_window):
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+
+
+def check_cache(q, k_cache, v_cache, block_tables, seq_lens):
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must be equal 4-d")
+    if q.dim() != 3 or q.shape[2] != k_cache.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} must be [rows, heads, {k_cache.shape[3]}]")
+    if q.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k_cache.shape[2]}")
+    if block_tables.dim() != 2 or block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables must be int32 [seqs, pages], got {block_tables.dtype} "
+                         f"{tuple(block_tables.shape)}")
+    if seq_lens.shape != (block_tables.shape[0],) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 [{block_tables.shape[0]}], got {seq_lens.dtype} "
+                         f"{tuple(seq_lens.shape)}")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("q, k_cache and v_cache need head_dim contiguous")
+
+
+def gather_kv_ref(cache, block_table, seq_len):
+    """[seq_len, num_kv_heads, head_dim]: positions 0..seq_len-1 of one sequence, read through its pages."""
+    pos = torch.arange(seq_len, device=cache.device)
+    pages = block_table.to(cache.device)[pos // cache.shape[1]].long()
+    return cache[pages, pos % cache.shape[1]]
+
+
+def attend_ref(q, k, v, q_pos, scale, sliding_window):
+    """Float32 masked softmax attention of rows q [n, H, D] at positions q_pos [n] over k/v [L, KVH, D].
+
+    Returns (out [n, H, D], lse [n, H]) in float32; lse is the natural-log sum of exp of the scaled scores.
+    """
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.float(), k) * scale
+    k_pos = torch.arange(k.shape[0], device=q.device)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    scores = scores.masked_fill(~mask, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    return torch.einsum("hnl,lhd->nhd", probs, v), lse.transpose(0, 1)
+
+
+@triton.jit
+def attend_tiles(
+    q, q_pos, m_i, l_i, acc, t_start, t_end, seq_len, window,
+    k_cache_ptr, v_cache_ptr, table_ptr, page_size, kv_head,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Fold KV tiles t_start..t_end-1 into the online-softmax state (m_i, l_i, acc) of rows q [M, D_PAD].
+
+    Scores are in log2 units (qk_scale = scale * log2(e)). Rows that see no key keep m_i = -inf, l_i = 0.
+    """
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    for t in range(t_start, t_end):
+        pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        pos_ok = pos < seq_len
+        page = tl.load(table_ptr + pos // page_size, mask=pos_ok, other=0).to(tl.int64)
+        offset = pos % page_size
+        k = tl.load(k_cache_ptr + page[None, :] * stride_kp + offset[None, :] * stride_ks
+                    + kv_head * stride_kh + d[:, None], mask=d_ok[:, None] & pos_ok[None, :], other=0.0)
+        scores = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        mask = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        if USE_WINDOW:
+            mask = mask & (pos[None, :] > q_pos[:, None] - window)
+        scores = tl.where(mask, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # A row with no visible key yet keeps -inf; subtracting 0 instead keeps exp2 free of NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + page[:, None] * stride_vp + offset[:, None] * stride_vs
+                    + kv_head * stride_vh + d[None, :], mask=pos_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+def precision_for(dtype):
+    """fp32 inputs get IEEE dots (the strict tier must not be TF32); 16-bit inputs ignore the setting."""
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -1,0 +1,152 @@
+"""Paged attention for a mixed batch: prefill chunks and decodes (q_len >= 1 at any context offset) in one launch.
+
+Layouts:
+    q, out:           [num_tokens, num_heads, head_dim]; sequence s owns rows query_start_loc[s]:query_start_loc[s+1]
+    k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim]
+    block_tables:     int32 [num_seqs, max_pages_per_seq]; position p of s lives in page block_tables[s, p // page_size]
+    seq_lens:         int32 [num_seqs], tokens in the cache for s including its new (already stored) tokens
+    query_start_loc:  int32 [num_seqs + 1], cumulative query counts starting at 0
+Query j of s sits at position seq_lens[s] - q_len + j and sees positions <= its own (and > pos - sliding_window).
+
+One program serves BLOCK_Q query tokens of one sequence times the GROUP query heads of one KV head (GQA packed
+into the rows), so every loaded K/V tile serves all heads that share it. Tile sizes depend only on head_dim and
+the group size, never on q_len, batch or page size: that is what keeps outputs bitwise invariant.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention_tile import (LOG2E, attend_ref, attend_tiles, check_cache, check_window, gather_kv_ref,
+                                    precision_for)
+
+
+def tile_config(head_dim, group):
+    """(BLOCK_M rows, BLOCK_N keys per tile, num_warps, num_stages) for a head_dim and GQA group size."""
+    block_m = max(64, triton.next_power_of_2(group))
+    block_n = 64 if head_dim <= 128 else 32
+    return block_m, block_n, 4, 2
+
+
+def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sliding_window, out):
+    check_cache(q, k_cache, v_cache, block_tables, seq_lens)
+    check_window(sliding_window)
+    if query_start_loc.shape != (seq_lens.shape[0] + 1,) or query_start_loc.dtype != torch.int32:
+        raise ValueError(f"query_start_loc must be int32 [{seq_lens.shape[0] + 1}], got {query_start_loc.dtype} "
+                         f"{tuple(query_start_loc.shape)}")
+    if out is not None and (out.shape != q.shape or out.stride(2) != 1):
+        raise ValueError(f"out {tuple(out.shape)} must match q {tuple(q.shape)} with head_dim contiguous")
+
+
+def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                        sliding_window=None, out=None):
+    """PyTorch twin of `paged_attention`: per sequence, gather its K/V and run a float32 masked softmax."""
+    _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sliding_window, out)
+    out = torch.empty_like(q) if out is None else out
+    starts = query_start_loc.tolist()
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        rows = slice(starts[s], starts[s + 1])
+        q_len = starts[s + 1] - starts[s]
+        if q_len == 0:
+            continue
+        k = gather_kv_ref(k_cache, block_tables[s], seq_len)
+        v = gather_kv_ref(v_cache, block_tables[s], seq_len)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        out[rows] = attend_ref(q[rows], k, v, q_pos, scale, sliding_window)[0].to(out.dtype)
+    return out
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, num_seqs, block_idx, BLOCK_Q: tl.constexpr):
+    """The sequence whose query blocks include block_idx; sequence s's first block is qsl[s] // BLOCK_Q + s."""
+    lo = 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first <= block_idx:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    num_seqs, qk_scale, window, page_size,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+):
+    block_idx = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    s = _find_sequence(query_start_loc_ptr, num_seqs, block_idx, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + s)
+    q_len = tl.load(query_start_loc_ptr + s + 1) - q_start
+    local = block_idx - (q_start // BLOCK_Q + s)
+    if local * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + s)
+    first_pos = seq_len - q_len + local * BLOCK_Q
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = local * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    q_pos = seq_len - q_len + tok
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    io_mask = row_ok[:, None] & d_ok[None, :]
+    row_tok = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + row_tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0)
+
+    last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len)
+    t_end = tl.cdiv(last_pos, BLOCK_N)
+    t_start = 0
+    if USE_WINDOW:
+        t_start = tl.maximum(first_pos - window + 1, 0) // BLOCK_N
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    m_i, l_i, acc = attend_tiles(
+        q, q_pos, m_i, l_i, acc, t_start, t_end, seq_len, window,
+        k_cache_ptr, v_cache_ptr, block_tables_ptr + s.to(tl.int64) * stride_bt, page_size, kv_head,
+        stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
+        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION,
+    )
+    # Padding rows see no key (l_i = 0); only they would divide by zero, and they are not stored.
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + row_tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                    sliding_window=None, out=None):
+    """Causal attention of every query row over its sequence's pages; returns out (allocated if None)."""
+    _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sliding_window, out)
+    out = torch.empty_like(q) if out is None else out
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_m, block_n, num_warps, num_stages = tile_config(head_dim, group)
+    block_q = block_m // group
+    # Sequence s's blocks start at query_start_loc[s] // block_q + s, so this bound covers every block
+    # without reading query lengths back to the host.
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        num_seqs, scale * LOG2E, sliding_window or 0, k_cache.shape[1],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        GROUP=group, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
+        USE_WINDOW=sliding_window is not None, PRECISION=precision_for(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

@@ -1,0 +1,194 @@
+"""Split-KV (flash-decoding) attention for decodes: one query per sequence, the KV split at fixed positions.
+
+Layouts:
+    q, out:             [num_seqs, num_heads, head_dim] (one decode query per sequence, at position seq_lens[s] - 1)
+    k_cache, v_cache:   [num_pages, page_size, num_kv_heads, head_dim]
+    block_tables:       int32 [num_seqs, max_pages_per_seq];  seq_lens: int32 [num_seqs]
+    partial_out:        float32 [num_seqs, num_heads, num_splits, head_dim]
+    partial_lse:        float32 [num_seqs, num_heads, num_splits] (natural log; -inf for a split with no key)
+Split j covers positions [j * split_size, (j + 1) * split_size): a fixed size in tokens, not a fixed count,
+so a sequence's splits (and its result) do not depend on the batch, page size or block-table width.
+num_splits = cdiv(max_pages_per_seq * page_size, split_size), known without reading seq_lens back.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention_tile import (LOG2E, attend_ref, attend_tiles, check_cache, check_window, gather_kv_ref,
+                                    precision_for)
+
+DEFAULT_SPLIT_SIZE = 512
+
+
+def _block_n(head_dim):
+    return 64 if head_dim <= 128 else 32
+
+
+def _check_split(split_size, head_dim):
+    if not isinstance(split_size, int) or split_size < 1 or split_size % _block_n(head_dim):
+        raise ValueError(f"split_size must be a positive multiple of {_block_n(head_dim)}, got {split_size!r}")
+
+
+def merge_splits_ref(partial_out, partial_lse, out):
+    """PyTorch twin of `merge_splits`: softmax-weighted sum of the partials; empty splits weigh 0."""
+    m = partial_lse.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w = torch.exp(partial_lse - m)
+    total = w.sum(dim=-1, keepdim=True)
+    merged = (w[..., None] * partial_out).sum(dim=-2) / torch.where(total > 0, total, torch.ones_like(total))
+    out.copy_(merged.to(out.dtype))
+    return out
+
+
+@triton.jit
+def _merge_kernel(
+    partial_out_ptr, partial_lse_ptr, out_ptr, num_splits,
+    stride_ps, stride_ph, stride_pj, stride_ls, stride_lh, stride_os, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    lse_row = partial_lse_ptr + s * stride_ls + h * stride_lh
+    m = float("-inf")
+    for j in range(num_splits):
+        m = tl.maximum(m, tl.load(lse_row + j))
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: every weight is 0, not NaN
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    acc = tl.zeros([D_PAD], tl.float32)
+    total = 0.0
+    # Splits are folded in order; an empty split adds exactly 0, so trailing empty splits change nothing.
+    for j in range(num_splits):
+        w = tl.exp(tl.load(lse_row + j) - m)
+        o = tl.load(partial_out_ptr + s * stride_ps + h * stride_ph + j * stride_pj + d, mask=d_ok, other=0.0)
+        acc += w * o
+        total += w
+    total = tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + s * stride_os + h * stride_oh + d, (acc / total).to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def merge_splits(partial_out, partial_lse, out):
+    """Merge per-split partial outputs by their log-sum-exp into out [num_seqs, num_heads, head_dim]."""
+    num_seqs, num_heads, num_splits, head_dim = partial_out.shape
+    if partial_lse.shape != partial_out.shape[:3] or out.shape != (num_seqs, num_heads, head_dim):
+        raise ValueError(f"partial_out {tuple(partial_out.shape)}, partial_lse {tuple(partial_lse.shape)} and "
+                         f"out {tuple(out.shape)} disagree")
+    if partial_out.stride(3) != 1 or out.stride(2) != 1:
+        raise ValueError("merge_splits needs head_dim contiguous")
+    if num_seqs * num_heads == 0:
+        return out
+    _merge_kernel[(num_seqs, num_heads)](
+        partial_out, partial_lse, out, num_splits,
+        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+    )
+    return out
+
+
+def split_kv_partials_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, split_size):
+    """(partial_out, partial_lse) of `split_kv_decode`, computed split by split in float32."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_splits = math.ceil(block_tables.shape[1] * k_cache.shape[1] / split_size)
+    partial_out = torch.zeros(num_seqs, num_heads, num_splits, head_dim, device=q.device)
+    partial_lse = torch.full((num_seqs, num_heads, num_splits), -math.inf, device=q.device)
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        k = gather_kv_ref(k_cache, block_tables[s], seq_len)
+        v = gather_kv_ref(v_cache, block_tables[s], seq_len)
+        q_pos = torch.tensor([seq_len - 1], device=q.device)
+        for j in range(math.ceil(seq_len / split_size)):
+            lo = j * split_size
+            # Keys outside the split are masked by placing the query before them: shift positions instead.
+            o, lse = attend_ref(q[s:s + 1], k[lo:lo + split_size], v[lo:lo + split_size], q_pos - lo, scale,
+                                sliding_window)
+            partial_out[s, :, j] = o[0]
+            partial_lse[s, :, j] = lse[0]
+    return partial_out, partial_lse
+
+
+def split_kv_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None,
+                        split_size=DEFAULT_SPLIT_SIZE, out=None):
+    """PyTorch twin of `split_kv_decode`: reference partials, then the reference merge."""
+    check_cache(q, k_cache, v_cache, block_tables, seq_lens)
+    check_window(sliding_window)
+    _check_split(split_size, q.shape[2])
+    out = torch.empty_like(q) if out is None else out
+    partials = split_kv_partials_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, split_size)
+    return merge_splits_ref(*partials, out)
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, partial_out_ptr, partial_lse_ptr, block_tables_ptr, seq_lens_ptr,
+    qk_scale, window, page_size, split_size,
+    stride_qs, stride_qh, stride_bt, stride_ps, stride_ph, stride_pj, stride_ls, stride_lh,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+):
+    s = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + s)
+    rows = tl.arange(0, BLOCK_H)
+    row_ok = rows < GROUP
+    head = kv_head * GROUP + rows
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q_pos = tl.zeros([BLOCK_H], tl.int32) + seq_len - 1
+    q = tl.load(q_ptr + s * stride_qs + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    lo = split * split_size
+    hi = tl.minimum(lo + split_size, seq_len)
+    if USE_WINDOW:
+        lo = tl.maximum(lo, seq_len - window)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
+    # Tiles stay at absolute multiples of BLOCK_N (split_size is one), whatever the window start.
+    m_i, l_i, acc = attend_tiles(
+        q, q_pos, m_i, l_i, acc, lo // BLOCK_N, tl.cdiv(hi, BLOCK_N), hi, window,
+        k_cache_ptr, v_cache_ptr, block_tables_ptr + s.to(tl.int64) * stride_bt, page_size, kv_head,
+        stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
+        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION,
+    )
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
+    tl.store(partial_out_ptr + s * stride_ps + head[:, None] * stride_ph + split * stride_pj + d[None, :], o,
+             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(partial_lse_ptr + s * stride_ls + head * stride_lh + split, lse, mask=row_ok)
+
+
+def split_kv_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None,
+                    split_size=DEFAULT_SPLIT_SIZE, out=None):
+    """Decode attention with the KV split every split_size positions, then merged; returns out."""
+    check_cache(q, k_cache, v_cache, block_tables, seq_lens)
+    check_window(sliding_window)
+    num_seqs, num_heads, head_dim = q.shape
+    _check_split(split_size, head_dim)
+    if num_seqs != seq_lens.shape[0]:
+        raise ValueError(f"q has {num_seqs} rows but seq_lens has {seq_lens.shape[0]}: one decode per sequence")
+    out = torch.empty_like(q) if out is None else out
+    if num_seqs == 0:
+        return out
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_splits = triton.cdiv(block_tables.shape[1] * k_cache.shape[1], split_size)
+    partial_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
+    partial_lse = torch.empty(num_seqs, num_heads, num_splits, device=q.device, dtype=torch.float32)
+    _split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, partial_out, partial_lse, block_tables, seq_lens,
+        scale * LOG2E, sliding_window or 0, k_cache.shape[1], split_size,
+        q.stride(0), q.stride(1), block_tables.stride(0),
+        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        GROUP=group, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=_block_n(head_dim),
+        USE_WINDOW=sliding_window is not None, PRECISION=precision_for(q.dtype), num_warps=4, num_stages=2,
+    )
+    return merge_splits(partial_out, partial_lse, out)
