@@ -31,7 +31,7 @@ _COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden
 _DEFAULTS = {
     "llama": dict(_COMMON, initializer_range=0.1, tie_word_embeddings=False),
     "mistral": dict(_COMMON, initializer_range=0.1, tie_word_embeddings=False, sliding_window=24),
-    "qwen2": dict(_COMMON, initializer_range=0.1, tie_word_embeddings=True),
+    "qwen2": dict(_COMMON, initializer_range=0.1, tie_word_embeddings=False),
     "qwen3": dict(_COMMON, initializer_range=0.1, tie_word_embeddings=False),
     "gemma3_text": dict(_COMMON, initializer_range=0.02, num_key_value_heads=1, query_pre_attn_scalar=32,
                         sliding_window=8, layer_types=["sliding_attention", "full_attention"],
