@@ -1,0 +1,157 @@
+"""store_kv and paged_attention against their PyTorch references, and the bitwise invariance of attention rows.
+
+Runs on CPU through Triton's interpreter (float32 and float16) and on a GPU alike; sizes stay small because
+the interpreter is slow. Production sizes live in test_kernels_gpu.py.
+"""
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from kernels import paged_attention, paged_attention_ref, store_kv, store_kv_ref
+from kernels.testing import paginate, query_start_loc, random_kv
+
+pytestmark = pytest.mark.correctness
+
+# (num_heads, num_kv_heads): MHA, GQA (incl. Qwen2.5-0.5B's 14/2), MQA (incl. an odd group of 5).
+HEADS = [(4, 4), (8, 2), (14, 2), (4, 1), (5, 1), (6, 3)]
+HEAD_DIMS = [64, 64, 80, 96, 128, 256]
+DTYPES = [torch.float32, torch.float16]
+# Tolerances against the float32 reference: fp32 differs only by exp2-vs-exp rounding; fp16 rounds P to
+# fp16 before the PV product and the output to fp16 (2^-11 relative each).
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+@given(page_size=st.integers(1, 64), num_kv_heads=st.integers(1, 4), head_dim=st.sampled_from(HEAD_DIMS),
+       num_tokens=st.integers(1, 20), dtype=st.sampled_from(DTYPES), cache_dtype=st.sampled_from(DTYPES),
+       seed=st.integers(0, 2**16))
+def test_store_kv_writes_every_token_to_its_slot_and_skips_padding(
+        page_size, num_kv_heads, head_dim, num_tokens, dtype, cache_dtype, seed, device):
+    gen = torch.Generator().manual_seed(seed)
+    num_pages = num_tokens // page_size + 3
+    slots = torch.randperm(num_pages * page_size, generator=gen)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=gen) < 0.2] = -1
+    key, value = (t.to(device) for t in random_kv(num_tokens, num_kv_heads, head_dim, dtype, gen))
+    k_cache = torch.randn(num_pages, page_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype).to(device)
+    v_cache = torch.randn(k_cache.shape, generator=gen).to(cache_dtype).to(device)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    slots = slots.to(device)
+
+    store_kv(key, value, k_cache, v_cache, slots)
+    store_kv_ref(key, value, k_ref, v_ref, slots)
+
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    written = slots >= 0
+    flat = k_cache.view(-1, num_kv_heads, head_dim)
+    assert torch.equal(flat[slots[written]], key[written].to(cache_dtype))
+    untouched = torch.ones(flat.shape[0], dtype=torch.bool, device=device)
+    untouched[slots[written]] = False
+    assert torch.equal(flat[untouched], k_ref.view(-1, num_kv_heads, head_dim)[untouched])
+
+
+def _run_batch(fn, cache, qs, q_lens, seq_lens, scale, window):
+    q = torch.cat(qs)
+    out = torch.full_like(q, float("nan"))
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=q.device)
+    qsl = query_start_loc(q_lens, q.device)
+    return fn(q, cache.k_cache, cache.v_cache, cache.block_tables, seq_lens, qsl, scale,
+              sliding_window=window, out=out)
+
+
+@given(heads=st.sampled_from(HEADS), head_dim=st.sampled_from(HEAD_DIMS), page_size=st.integers(1, 64),
+       seqs=st.lists(st.tuples(st.integers(0, 100), st.integers(1, 40)), min_size=1, max_size=3),
+       window=st.none() | st.integers(1, 80), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+@example(heads=(4, 1), head_dim=64, page_size=1, seqs=[(5, 3)], window=None, dtype=torch.float32, seed=1)
+@example(heads=(8, 2), head_dim=80, page_size=16, seqs=[(37, 1), (0, 1)], window=None, dtype=torch.float32, seed=2)
+@example(heads=(14, 2), head_dim=64, page_size=16, seqs=[(20, 12)], window=None, dtype=torch.float16, seed=3)
+@example(heads=(4, 4), head_dim=96, page_size=16, seqs=[(16, 5)], window=7, dtype=torch.float32, seed=4)
+@example(heads=(5, 1), head_dim=64, page_size=7, seqs=[(0, 33), (7, 7)], window=8, dtype=torch.float16, seed=5)
+def test_paged_attention_matches_reference(heads, head_dim, page_size, seqs, window, dtype, seed, device):
+    """seqs: (cached prefix, new chunk) per sequence; the cases pinned above: page size 1, one-token chunks,
+    a chunk ending on a page boundary, a prefix equal to the page size, a zero prefix with a window."""
+    num_heads, num_kv_heads = heads
+    gen = torch.Generator().manual_seed(seed)
+    kvs = [random_kv(p + c, num_kv_heads, head_dim, dtype, gen, device) for p, c in seqs]
+    cache = paginate(kvs, page_size, gen)
+    qs = [torch.randn(c, num_heads, head_dim, generator=gen).to(dtype).to(device) for _, c in seqs]
+    args = (cache, qs, [c for _, c in seqs], [p + c for p, c in seqs], head_dim ** -0.5, window)
+
+    out = _run_batch(paged_attention, *args)
+    ref = _run_batch(paged_attention_ref, *args)
+
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, **TOLERANCE[dtype])
+
+
+def _chunk_ends(data, length):
+    cuts = data.draw(st.lists(st.integers(1, max(1, length - 1)), max_size=3, unique=True), label="cuts")
+    return sorted({c for c in cuts if c < length} | {length})
+
+
+@given(data=st.data())
+def test_attention_rows_are_bitwise_invariant_to_chunking_page_size_permutation_and_batch(data, device):
+    num_heads, num_kv_heads = data.draw(st.sampled_from(HEADS), label="heads")
+    head_dim = data.draw(st.sampled_from([64, 80]), label="head_dim")
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    window = data.draw(st.none() | st.integers(1, 70), label="window")
+    length = data.draw(st.integers(1, 150), label="length")
+    ends = _chunk_ends(data, length)
+    page_a, page_b = data.draw(st.integers(1, 64), label="page_a"), data.draw(st.integers(1, 64), label="page_b")
+    mates = data.draw(st.lists(st.tuples(st.integers(0, 60), st.integers(1, 20)), max_size=2), label="mates")
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    kv = random_kv(length, num_kv_heads, head_dim, dtype, gen, device)
+    q = torch.randn(length, num_heads, head_dim, generator=gen).to(dtype).to(device)
+    scale = head_dim ** -0.5
+
+    whole = _run_batch(paged_attention, paginate([kv], page_a, gen), [q], [length], [length], scale, window)
+
+    # Batch B: the sequence sits between batch-mates, under another page size and another random permutation.
+    mate_kvs = [random_kv(p + c, num_kv_heads, head_dim, dtype, gen, device) for p, c in mates]
+    mate_qs = [torch.randn(c, num_heads, head_dim, generator=gen).to(dtype).to(device) for _, c in mates]
+    cache_b = paginate(mate_kvs[:1] + [kv] + mate_kvs[1:], page_b, gen)
+    pieces, start = [], 0
+    for end in ends:
+        qs = mate_qs[:1] + [q[start:end]] + mate_qs[1:]
+        q_lens = [c for _, c in mates[:1]] + [end - start] + [c for _, c in mates[1:]]
+        seq_lens = [p + c for p, c in mates[:1]] + [end] + [p + c for p, c in mates[1:]]
+        out = _run_batch(paged_attention, cache_b, qs, q_lens, seq_lens, scale, window)
+        first = q_lens[0] if mates else 0
+        pieces.append(out[first:first + end - start])
+        start = end
+
+    assert torch.equal(torch.cat(pieces), whole)
+
+
+def _small_case():
+    gen = torch.Generator().manual_seed(0)
+    cache = paginate([random_kv(10, 2, 64, torch.float32, gen)], 4, gen)
+    q = torch.randn(3, 4, 64, generator=gen)
+    return q, cache, query_start_loc([3])
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(sliding_window=0), "sliding_window"),
+    (dict(q=torch.randn(3, 3, 64)), "num_heads 3"),
+    (dict(q=torch.randn(3, 4, 32)), "q \\(3, 4, 32\\)"),
+    (dict(block_tables=torch.zeros(1, 4, dtype=torch.int64)), "block_tables must be int32"),
+    (dict(seq_lens=torch.tensor([10], dtype=torch.int64)), "seq_lens must be int32"),
+    (dict(query_start_loc=torch.tensor([0, 1, 3], dtype=torch.int32)), "query_start_loc must be int32 \\[2\\]"),
+])
+def test_paged_attention_rejects_bad_arguments_naming_them(change, match):
+    q, cache, qsl = _small_case()
+    args = dict(q=q, k_cache=cache.k_cache, v_cache=cache.v_cache, block_tables=cache.block_tables,
+                seq_lens=cache.seq_lens, query_start_loc=qsl, scale=0.125)
+    args.update(change)
+    for fn in (paged_attention, paged_attention_ref):
+        with pytest.raises(ValueError, match=match):
+            fn(**args)
+
+
+def test_store_kv_rejects_mismatched_shapes_naming_them():
+    k_cache = torch.zeros(4, 2, 2, 64)
+    key = torch.randn(3, 2, 64)
+    with pytest.raises(ValueError, match="slot_mapping shape \\(2,\\)"):
+        store_kv(key, key, k_cache, k_cache.clone(), torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="cache heads/dim \\(2, 64\\) != key heads/dim \\(3, 64\\)"):
+        store_kv(torch.randn(3, 3, 64), torch.randn(3, 3, 64), k_cache, k_cache.clone(),
+                 torch.zeros(3, dtype=torch.int64))
