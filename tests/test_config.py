@@ -1,0 +1,99 @@
+"""ModelConfig from HF config.json: every family, RoPE scaling against transformers' own, bad configs."""
+import json
+
+import pytest
+import torch
+
+from chunkwise.checkpoints import tiny_config_dict
+from chunkwise.config import FULL, SLIDING, ModelConfig
+
+pytestmark = pytest.mark.correctness
+
+
+def hf_config_dict(family: str, **overrides) -> dict:
+    """The config.json transformers writes for a tiny checkpoint (no weights are made)."""
+    from transformers import AutoConfig
+    return json.loads(AutoConfig.for_model(family, **tiny_config_dict(family, **overrides)).to_json_string())
+
+
+@pytest.mark.parametrize("family,bias,qk_norm,tied", [
+    ("llama", False, False, False), ("mistral", False, False, False), ("qwen2", True, False, False),
+    ("qwen3", False, True, False), ("gemma3_text", False, True, True)])
+def test_each_family_parses_its_transformers_config(family, bias, qk_norm, tied):
+    cfg = ModelConfig.from_dict(hf_config_dict(family))
+    assert (cfg.model_type, cfg.attention_bias, cfg.qk_norm, cfg.tie_word_embeddings) == (family, bias, qk_norm, tied)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.vocab_size) == (64, 2, 4, 16, 384)
+    gemma = family == "gemma3_text"
+    assert cfg.num_kv_heads == (1 if gemma else 2)
+    assert (cfg.norm_plus_one, cfg.sandwich_norms, cfg.embed_scale is not None) == (gemma, gemma, gemma)
+    assert cfg.hidden_act == ("gelu_pytorch_tanh" if gemma else "silu")
+    assert cfg.attn_scale == pytest.approx(32 ** -0.5 if gemma else 16 ** -0.5)
+    assert cfg.eos_token_ids == (2,)
+
+
+def test_gemma3_layer_types_window_and_per_type_rope_base():
+    cfg = ModelConfig.from_dict(hf_config_dict("gemma3_text"))
+    assert cfg.layer_types == (SLIDING, FULL)
+    assert (cfg.window(0), cfg.window(1)) == (8, None)
+    assert cfg.rope_for(0).theta == 10000.0 and cfg.rope_for(1).theta == 1000000.0
+
+
+def test_mistral_window_applies_to_every_layer():
+    cfg = ModelConfig.from_dict(hf_config_dict("mistral"))
+    assert [cfg.window(i) for i in range(cfg.num_layers)] == [24, 24]
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+     "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+])
+def test_scaled_rope_inverse_frequencies_match_transformers(rope):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    d = hf_config_dict("llama", rope_parameters=rope)
+    ours = ModelConfig.from_dict(d).rope_for(0).inv_freq(16)
+    theirs, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](LlamaConfig(**tiny_config_dict("llama", rope_parameters=rope)),
+                                                       "cpu")
+    torch.testing.assert_close(ours, theirs.float(), rtol=1e-6, atol=0)
+    plain = ModelConfig.from_dict(hf_config_dict("llama", rope_parameters={"rope_theta": rope["rope_theta"]}))
+    assert not torch.equal(ours, plain.rope_for(0).inv_freq(16))   # the scaling is not a no-op here
+
+
+def test_transformers4_style_rope_scaling_is_read():
+    d = hf_config_dict("llama")
+    del d["rope_parameters"]
+    d.update(rope_theta=5e5, rope_scaling={"type": "linear", "factor": 2.0})
+    rope = ModelConfig.from_dict(d).rope_for(0)
+    assert (rope.theta, rope.rope_type, rope.factor) == (5e5, "linear", 2.0)
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"model_type": "gpt2"}, "gpt2"),
+    ({"num_attention_heads": 4, "num_key_value_heads": 3}, "num_key_value_heads=3"),
+    ({"vocab_size": None}, "vocab_size"),
+    ({"hidden_size": None}, "hidden_size"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers"),
+    ({"head_dim": 15}, "head_dim=15"),
+    ({"layer_types": ["full_attention"]}, "layer_types"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "yarn"),
+    ({"hidden_act": "relu"}, "relu"),
+])
+def test_bad_config_raises_value_error_naming_the_field(change, field):
+    d = hf_config_dict("llama")
+    d.update(change)
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_dict(d)
+
+
+def test_sliding_layers_without_a_window_are_rejected():
+    d = hf_config_dict("gemma3_text")
+    d["sliding_window"] = None
+    with pytest.raises(ValueError, match="sliding_window"):
+        ModelConfig.from_dict(d)
+
+
+def test_missing_config_json_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        ModelConfig.from_dir(tmp_path)
