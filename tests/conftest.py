@@ -65,3 +65,27 @@ def hf_model():
                 tiny_checkpoint(family, **overrides), attn_implementation="eager", dtype=torch.float32).eval()
         return cache[key]
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_with_tokenizer(tmp_path_factory):
+    """The tiny Llama checkpoint plus a word-level HF tokenizer (ids 3.. are words) and a chat template,
+    for tests of text prompts. Tiny checkpoints themselves carry no tokenizer."""
+    import shutil
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = "the quick brown fox jumps over a lazy dog and then sleeps".split()
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    vocab["<unk>"] = len(vocab)
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                  pad_token="<pad>", unk_token="<unk>")
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    path = tmp_path_factory.mktemp("tokenized") / "tiny-llama-words"
+    shutil.copytree(tiny_checkpoint("llama"), path)
+    tok.save_pretrained(path)
+    return path
