@@ -72,9 +72,11 @@ class Engine:
         path = resolve_model(model)
         self.config = ModelConfig.from_dir(path)
         self.tokenizer = load_tokenizer(path)
-        self.max_model_len = self.config.max_position_embeddings if max_model_len is None else max_model_len
-        if not isinstance(self.max_model_len, int) or self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+        limit = self.config.max_position_embeddings
+        self.max_model_len = limit if max_model_len is None else max_model_len
+        if not isinstance(self.max_model_len, int) or not 2 <= self.max_model_len <= limit:
+            raise ValueError(f"max_model_len must be an integer in [2, {limit}] (max_position_embeddings), "
+                             f"got {max_model_len!r}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         sched_cfg = SchedulerConfig(max_num_batched_tokens, max_num_seqs)

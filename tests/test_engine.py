@@ -1,0 +1,132 @@
+"""optimized.Engine's contract beyond parity: bad input, failure and abort isolation, streaming, seeded sampling."""
+import pytest
+import torch
+
+from chunkwise.checkpoints import tiny_checkpoint
+from optimized import Engine, SamplingParams
+
+PROMPTS = [[5, 9, 14, 3, 22, 8, 17], [5, 9, 14, 3, 40, 41], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]]
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    return tiny_checkpoint("qwen3")
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt):
+    return Engine(ckpt, page_size=4, num_pages=64, max_model_len=64)
+
+
+@pytest.fixture(scope="module")
+def solo(engine):
+    """Each prompt's greedy tokens when it runs alone."""
+    return [engine.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("prompt, chunks, match", [
+    ([], None, "prompt 0 is empty"),
+    ([3, 384, 5], None, "token id 384"),
+    ([3, -1, 5], None, "token id -1"),
+    ([3, 4, 5], [3, 0], "chunk size 0"),
+    ([3, 4, 5], [2, 2], "sum to 4"),
+    ([3] * 60, None, "exceed max_model_len 64"),
+])
+def test_bad_request_raises_value_error_naming_the_value(engine, prompt, chunks, match):
+    with pytest.raises(ValueError, match=match):
+        engine.generate([prompt], GREEDY, chunk_sizes=[chunks])
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(page_size=0), "page_size must be an integer >= 1, got 0"),
+    (dict(num_pages=10 ** 12), "num_pages=1000000000000"),
+    (dict(num_pages=0), "num_pages must be an integer >= 1, got 0"),
+    (dict(dtype="float64"), "dtype 'float64'"),
+])
+def test_bad_engine_arguments_raise_value_error(ckpt, kw, match):
+    with pytest.raises(ValueError, match=match):
+        Engine(ckpt, **kw)
+
+
+def test_request_larger_than_the_pool_is_rejected_up_front(ckpt):
+    eng = Engine(ckpt, page_size=4, num_pages=3)
+    with pytest.raises(ValueError, match="pages"):
+        eng.generate([[1] * 10], GREEDY)   # 10 + 6 - 1 tokens need 4 pages
+
+
+def test_failed_request_leaves_other_requests_unchanged(engine, solo):
+    with pytest.raises(ValueError, match="prompt 1 holds token id 999"):
+        engine.generate([PROMPTS[0], [1, 999], PROMPTS[2]], GREEDY)
+    assert not engine.has_unfinished()
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == solo
+
+
+def test_abort_frees_pages_and_leaves_other_requests_unchanged(engine, solo):
+    free = engine.block_manager.num_free_pages
+    rids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    engine.step()
+    engine.step()
+    engine.abort(rids[1])
+    while engine.has_unfinished():
+        engine.step()
+    outs = [engine.outputs.pop(r) for r in rids]
+    assert outs[1].finish_reason == "abort" and len(outs[1].token_ids) < GREEDY.max_tokens
+    assert outs[1].token_ids == solo[1][:len(outs[1].token_ids)]
+    assert [outs[0].token_ids, outs[2].token_ids] == [solo[0], solo[2]]
+    assert engine.block_manager.num_free_pages == free
+
+
+def test_streaming_with_late_arrivals_matches_generate(engine, solo):
+    streamed = {engine.add_request(PROMPTS[0], GREEDY): 0}
+    seen: dict[int, list[int]] = {}
+    finished = set()
+    steps = 0
+    while engine.has_unfinished() or steps == 0:
+        for r in engine.step():
+            seen.setdefault(r.request_id, []).extend(r.new_token_ids)
+            if r.finished:
+                finished.add(r.request_id)
+        steps += 1
+        if steps in (2, 4):   # arrive while the first request decodes
+            streamed[engine.add_request(PROMPTS[steps // 2], GREEDY)] = steps // 2
+    assert finished == set(streamed)
+    for rid, i in streamed.items():
+        assert seen[rid] == solo[i], f"request {rid} (prompt {i})"
+        assert engine.outputs.pop(rid).finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(ckpt, engine):
+    params = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = engine.generate([PROMPTS[0]], params)[0].token_ids
+    other = Engine(ckpt, page_size=7, num_pages=32, max_model_len=64)
+    batched = other.generate([PROMPTS[2], PROMPTS[0]],
+                             [SamplingParams(max_tokens=5, temperature=1.0, seed=9), params])[1].token_ids
+    assert alone == batched
+    reseeded = engine.generate([PROMPTS[0]] * 4, [SamplingParams(max_tokens=8, temperature=1.0, seed=s,
+                                                                 ignore_eos=True) for s in range(4)])
+    assert len({tuple(o.token_ids) for o in reseeded}) > 1, "different seeds should not all agree"
+
+
+def test_top_k_one_sampling_equals_greedy_and_logprobs_hold_the_token(engine, solo):
+    out = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=6, temperature=0.7, top_k=1, seed=3,
+                                                       ignore_eos=True, logprobs=3))[0]
+    assert out.token_ids == solo[1]
+    assert len(out.logprobs) == len(out.token_ids)
+    for token, lp in zip(out.token_ids, out.logprobs):
+        assert token in lp and len(lp) >= 3
+        assert lp[token] == pytest.approx(max(lp.values()))
+        assert all(v <= 0 for v in lp.values())
+
+
+def test_prefill_kv_reads_back_what_the_pages_hold(engine):
+    k1, v1 = engine.prefill_kv(PROMPTS[2], chunk_sizes=[1, 6, 4])
+    k2, v2 = engine.prefill_kv(PROMPTS[2])
+    cfg = engine.config
+    assert k1.shape == (cfg.num_layers, len(PROMPTS[2]), cfg.num_kv_heads, cfg.head_dim)
+    assert torch.isfinite(k1).all() and torch.isfinite(v1).all()
+    torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-5)
+    assert not engine.has_unfinished()
