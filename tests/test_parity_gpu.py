@@ -1,0 +1,58 @@
+"""The low-precision tier of DESIGN.md on the GPU: optimized.Engine against reference.Engine in bf16.
+
+Tokens must agree up to the first divergence; there each side's token must be in the other's top-k and
+the reference must have been nearly undecided between them (vLLM's check_logprobs_close rule); the
+sequence is not compared past that point. Tiny checkpoints of every family and a random model of
+Qwen3-0.6B's shape. The strict float32 tier runs on the GPU through tests/test_parity.py itself.
+"""
+import pytest
+import torch
+
+import reference
+from chunkwise.checkpoints import tiny_checkpoint
+from optimized import Engine, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.correctness]
+
+TOP_K = 5
+# A divergence is accepted only where the reference's logprobs of the two tokens differ by less than this.
+MAX_DIVERGENCE_GAP = 0.5
+
+QWEN3_0_6B_SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                        max_position_embeddings=40960, tie_word_embeddings=True, initializer_range=0.02)
+MODELS = {
+    "tiny-llama": ("llama", {}), "tiny-mistral": ("mistral", {}), "tiny-qwen2": ("qwen2", {}),
+    "tiny-qwen3": ("qwen3", {}), "tiny-gemma3": ("gemma3_text", {}), "qwen3-0.6b-shape": ("qwen3", QWEN3_0_6B_SHAPE),
+}
+
+
+def check_logprobs_close(opt, ref, label: str) -> int:
+    """Compares two outputs with top-k logprobs; returns how many tokens agreed before any divergence."""
+    for pos, (a, b) in enumerate(zip(opt.token_ids, ref.token_ids)):
+        if a == b:
+            continue
+        lp_opt, lp_ref = opt.logprobs[pos], ref.logprobs[pos]
+        assert a in lp_ref, f"{label}: at token {pos} optimized chose {a}, not in the reference's top-{TOP_K} {lp_ref}"
+        assert b in lp_opt, f"{label}: at token {pos} reference chose {b}, not in optimized's top-{TOP_K} {lp_opt}"
+        gap = lp_ref[b] - lp_ref[a]
+        assert gap < MAX_DIVERGENCE_GAP, f"{label}: at token {pos} the reference preferred {b} over {a} by {gap:.3f}"
+        return pos
+    return len(opt.token_ids)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_bf16_tokens_agree_until_a_near_tie(name):
+    family, shape = MODELS[name]
+    ckpt = tiny_checkpoint(family, seed=0, **shape)
+    cfg_vocab = shape.get("vocab_size", 384)
+    gen = torch.Generator().manual_seed(0)
+    lens = [1, 17, 64, 200] if shape else [1, 5, 17, 40]
+    prompts = [torch.randint(3, cfg_vocab, (n,), generator=gen).tolist() for n in lens]
+    chunks = [None, [3, 14], 16, [100, 1, 99]] if shape else [None, [2, 3], 4, [16, 1, 23]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=TOP_K)
+    opt = Engine(ckpt, dtype="bfloat16", page_size=16, max_model_len=512, num_pages=256).generate(
+        prompts, params, chunk_sizes=chunks)
+    ref = reference.Engine(ckpt, dtype="bfloat16", max_model_len=512).generate(prompts, params)
+    agreed = [check_logprobs_close(o, r, f"{name} request {i}") for i, (o, r) in enumerate(zip(opt, ref))]
+    print(f"{name}: tokens agreed before a divergence, per request: {agreed} of {params.max_tokens}")
