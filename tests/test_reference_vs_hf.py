@@ -87,3 +87,25 @@ def test_sliding_window_changes_logits_past_the_window(name, reference_engine, r
     w = eng.config.sliding_window
     torch.testing.assert_close(windowed[:w], unwindowed[:w], rtol=0, atol=1e-5)
     assert (windowed[w:] - unwindowed[w:]).abs().amax(-1).min() > 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "mistral-window24", "qwen2-bias", "qwen3-qknorm",
+                                  "gemma3-mqa-window8", "llama-mha-hd80-tied"])
+def test_reference_matches_hf_on_cuda(name, tiny_ckpt, random_prompt):
+    from transformers import AutoModelForCausalLM
+
+    from reference import Engine
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    family, overrides = CASES[name]
+    path = tiny_ckpt(family, **overrides)
+    eng = Engine(path, dtype="float32", device="cuda")
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).cuda()
+    prompt = random_prompt(PROMPT_LEN, eng.config.vocab_size)
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.no_grad():
+        torch.testing.assert_close(eng.logits(prompt), hf(ids).logits[0], **LOGITS_TOL)
+        theirs = hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, PROMPT_LEN:].tolist()
+    assert eng.generate(prompt, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))[0].token_ids == theirs
