@@ -4,6 +4,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from chunkwise.sampling import SamplingParams
 
@@ -109,3 +111,41 @@ def test_reference_matches_hf_on_cuda(name, tiny_ckpt, random_prompt):
         theirs = hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
                              pad_token_id=0)[0, PROMPT_LEN:].tolist()
     assert eng.generate(prompt, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))[0].token_ids == theirs
+
+
+@st.composite
+def tiny_configs(draw):
+    """A family and config overrides: GQA ratio, head_dim (odd multiples of 16 too), depth, ties, bias,
+    windows and per-layer attention types."""
+    family = draw(st.sampled_from(["llama", "mistral", "qwen2", "qwen3", "gemma3_text"]))
+    kv_heads = draw(st.integers(1, 3))
+    layers = draw(st.integers(1, 3))
+    heads = kv_heads * draw(st.integers(1, 3))
+    # transformers insists that hidden_size be a multiple of the head count, whatever head_dim is.
+    overrides = dict(num_key_value_heads=kv_heads, num_attention_heads=heads,
+                     head_dim=draw(st.sampled_from([16, 32, 48, 80])), hidden_size=heads * draw(st.sampled_from([8, 16])),
+                     num_hidden_layers=layers, tie_word_embeddings=draw(st.booleans()))
+    if family in ("llama", "qwen3"):
+        overrides["attention_bias"] = draw(st.booleans())
+    if family == "mistral":
+        overrides["sliding_window"] = draw(st.integers(1, 40))
+    if family == "gemma3_text":
+        overrides["sliding_window"] = draw(st.integers(1, 40))
+        overrides["layer_types"] = draw(st.lists(st.sampled_from(["sliding_attention", "full_attention"]),
+                                                 min_size=layers, max_size=layers))
+    return family, overrides
+
+
+@given(drawn=tiny_configs(), prompt_len=st.integers(1, 48), seed=st.integers(0, 3))
+def test_logits_match_hf_for_drawn_configurations(drawn, prompt_len, seed, tiny_ckpt, random_prompt):
+    from transformers import AutoModelForCausalLM
+
+    from reference import Engine
+
+    family, overrides = drawn
+    path = tiny_ckpt(family, seed=seed, **overrides)
+    eng = Engine(path, device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+    prompt = random_prompt(prompt_len, eng.config.vocab_size, seed)
+    with torch.no_grad():
+        torch.testing.assert_close(eng.logits(prompt), hf(torch.tensor([prompt])).logits[0], **LOGITS_TOL)
