@@ -62,12 +62,14 @@ def tiny_config_dict(family: str, **overrides) -> dict:
     return kw
 
 
-def tiny_checkpoint(family: str, seed: int = 0, **overrides) -> Path:
-    """A cached directory holding a tiny random float32 checkpoint of `family`, written by transformers."""
+def tiny_checkpoint(family: str, seed: int = 0, cache_dir: str | Path | None = None, **overrides) -> Path:
+    """A cached directory holding a tiny random float32 checkpoint of `family`, written by transformers.
+    `cache_dir` replaces `cache_root()/tiny`, e.g. a temporary one for one-off drawn configurations."""
     family = _family(family)
     kw = tiny_config_dict(family, **overrides)
     key = json.dumps({"v": _FACTORY_VERSION, "family": family, "seed": seed, "config": kw}, sort_keys=True)
-    path = cache_root() / "tiny" / f"{family}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    root = Path(cache_dir) if cache_dir is not None else cache_root() / "tiny"
+    path = root / f"{family}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if (path / "config.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
