@@ -62,9 +62,14 @@ def per_prompt(value, n: int, name: str, is_one) -> list:
 
 
 class Engine:
+    """The shared interface (DESIGN.md) plus the paging knobs: `num_pages` (default: from free memory, on
+    GPU `gpu_memory_utilization` of it), the per-step token budget and running-sequence cap, prefix caching,
+    `enforce_eager` (no CUDA graphs) and `split_kv_threshold` (decodes of sequences holding more tokens use
+    split-KV; default 0 on GPU, where decode graphs capture that path, 256 on CPU)."""
+
     def __init__(self, model, dtype="float32", device=None, page_size=16, max_model_len=None,
                  num_pages=None, gpu_memory_utilization=0.9, max_num_batched_tokens=512, max_num_seqs=64,
-                 enable_prefix_caching=True, enforce_eager=False):
+                 enable_prefix_caching=True, enforce_eager=False, split_kv_threshold=None):
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
             raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
         if isinstance(dtype, str) and dtype not in DTYPES:
@@ -84,7 +89,7 @@ class Engine:
             self.config, load_weights(path, self.dtype, self.device), dtype=self.dtype, device=self.device,
             page_size=page_size, max_model_len=self.max_model_len, num_pages=num_pages,
             gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs, enforce_eager=enforce_eager)
+            max_num_seqs=max_num_seqs, enforce_eager=enforce_eager, split_kv_threshold=split_kv_threshold)
         self.page_size = page_size
         self.block_manager = BlockManager(self.runner.num_pages, page_size, enable_prefix_caching)
         self.scheduler = Scheduler(sched_cfg, self.block_manager, self.config.eos_token_ids)

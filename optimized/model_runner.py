@@ -15,6 +15,11 @@ from chunkwise.config import ModelConfig
 from chunkwise.sampling import make_generator, sample, token_logprobs
 from optimized.model import Model, StepInputs
 
+# The Triton interpreter runs a split-KV decode (split + merge programs) slower than a one-pass decode
+# for short contexts; on CPU only long sequences take it by default. On GPU every decode does, which is
+# also what the decode CUDA graphs capture.
+CPU_SPLIT_KV_THRESHOLD = 256
+
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
     """Bytes one page takes over all layers, K and V."""
@@ -35,8 +40,13 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, dtype: torch.dtype,
                  device: torch.device, page_size: int, max_model_len: int, num_pages: int | None,
                  gpu_memory_utilization: float, max_num_batched_tokens: int, max_num_seqs: int,
-                 enforce_eager: bool):
+                 enforce_eager: bool, split_kv_threshold: int | None = None):
         self.cfg, self.dtype, self.device, self.page_size = cfg, dtype, device, page_size
+        if split_kv_threshold is None:
+            split_kv_threshold = 0 if device.type == "cuda" else CPU_SPLIT_KV_THRESHOLD
+        if not isinstance(split_kv_threshold, int) or split_kv_threshold < 0:
+            raise ValueError(f"split_kv_threshold must be an integer >= 0, got {split_kv_threshold!r}")
+        self.split_kv_threshold = split_kv_threshold
         self.model = Model(cfg, weights)
         self.max_pages_per_seq = math.ceil(max_model_len / page_size)
         self.num_pages = self._pool_size(num_pages, gpu_memory_utilization, max_num_batched_tokens,
@@ -46,7 +56,7 @@ class ModelRunner:
                            torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
         self.generators: dict[int, torch.Generator | None] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if device.type == "cuda" and not enforce_eager:
+        if device.type == "cuda" and not enforce_eager and split_kv_threshold == 0:
             self._capture_graphs(max_num_seqs)
 
     def _pool_size(self, num_pages: int | None, utilization: float, max_tokens: int, max_seqs: int) -> int:
@@ -85,11 +95,17 @@ class ModelRunner:
         return torch.tensor(rows, dtype=torch.int32).reshape(len(seqs), width)
 
     def prepare(self, seqs, num_new_tokens) -> tuple[StepInputs, list]:
-        """Step tensors for (seq, n) pairs; prompt chunks first, then decodes. Returns the sampled seqs too."""
+        """Step tensors for (seq, n) pairs: paged_attention's rows first, then split-KV decodes.
+
+        A decode goes through split-KV when its sequence holds more than split_kv_threshold tokens: a rule
+        on the sequence alone, so a token's path (and its bits) never depends on what else is batched.
+        Returns the sequences that sample this step too.
+        """
         prefill, decode = [], []
         for seq, n in zip(seqs, num_new_tokens):
-            is_decode = n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
-            (decode if is_decode else prefill).append((seq, n))
+            start = seq.num_computed_tokens
+            split = n == 1 and start >= seq.num_prompt_tokens and start + 1 > self.split_kv_threshold
+            (decode if split else prefill).append((seq, n))
         ids, pos, slots, qsl, lens, logits_idx, sampled = [], [], [], [0], [], [], []
         for seq, n in prefill + decode:
             start = seq.num_computed_tokens

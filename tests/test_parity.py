@@ -58,6 +58,7 @@ class Workload:
     budget: int                    # max_num_batched_tokens
     max_num_seqs: int
     spare_pages: int | None        # None: an ample pool; else the largest request's pages + this many
+    split_kv_threshold: int | None = None   # decodes of longer sequences take split-KV (None: engine default)
 
     def num_pages(self) -> int:
         most = max(len(p) + m - 1 for p, m in zip(self.prompts, self.max_tokens))
@@ -99,7 +100,8 @@ def workloads(draw) -> Workload:
         arrivals=(0, *(draw(st.integers(0, 4)) for _ in range(n - 1))),
         page_size=draw(st.one_of(st.sampled_from([1, 3, 4, 16, 64]), st.integers(1, 64))),
         budget=draw(st.integers(8, 64)), max_num_seqs=draw(st.integers(1, 4)),
-        spare_pages=draw(st.one_of(st.none(), st.integers(0, 2))))
+        spare_pages=draw(st.one_of(st.none(), st.integers(0, 2))),
+        split_kv_threshold=draw(st.sampled_from([None, 0, 6])))
 
 
 def run_streaming(eng: Engine, w: Workload, params: list[SamplingParams]):
@@ -156,7 +158,8 @@ def longest_common_prefix(a, b) -> int:
 
 EDGE = Workload(  # a 1-token chunk, a chunk ending on a page boundary, a shared prefix of one page
     prompts=((11, 12, 13, 14, 15, 16, 17, 18, 19), (11, 12, 13, 14, 50, 51)), chunks=((1, 3, 4, 1), None),
-    max_tokens=(4, 3), arrivals=(0, 3), page_size=4, budget=16, max_num_seqs=2, spare_pages=None)
+    max_tokens=(4, 3), arrivals=(0, 3), page_size=4, budget=16, max_num_seqs=2, spare_pages=None,
+    split_kv_threshold=0)
 TIGHT = Workload(  # page size 1 in a pool that forces preemption
     prompts=((7, 8, 9, 10, 11), (7, 8, 9, 30), (40, 41, 42)), chunks=((2, 3), (1, 1, 2), None),
     max_tokens=(5, 4, 3), arrivals=(0, 0, 1), page_size=1, budget=8, max_num_seqs=3, spare_pages=1)
@@ -170,7 +173,8 @@ def test_greedy_tokens_and_cached_kv_match_reference(model: Model, w: Workload, 
     ckpt = model.checkpoint()
     params = [SamplingParams(max_tokens=m, ignore_eos=not greedy_stop) for m in w.max_tokens]
     eng = Engine(ckpt, page_size=w.page_size, num_pages=w.num_pages(), max_num_batched_tokens=w.budget,
-                 max_num_seqs=w.max_num_seqs, max_model_len=MAX_MODEL_LEN)
+                 max_num_seqs=w.max_num_seqs, max_model_len=MAX_MODEL_LEN,
+                 split_kv_threshold=w.split_kv_threshold)
     ref = reference.Engine(ckpt, max_model_len=MAX_MODEL_LEN)
     label = f"{model} {w}"
     outs = run_streaming(eng, w, params)
@@ -179,7 +183,8 @@ def test_greedy_tokens_and_cached_kv_match_reference(model: Model, w: Workload, 
     for i, o in enumerate(outs):
         others = [list(w.prompts[j]) + want[j] for j in range(len(outs)) if j != i]
         shared = max((longest_common_prefix(w.prompts[i], t) for t in others), default=0)
-        assert o.num_cached_tokens % w.page_size == 0 and o.num_cached_tokens <= min(shared, len(o.prompt_token_ids) - 1), \
+        bound = min(shared, len(o.prompt_token_ids) - 1)
+        assert o.num_cached_tokens % w.page_size == 0 and o.num_cached_tokens <= bound, \
             f"{label}: request {i} reports {o.num_cached_tokens} cached tokens, sharing {shared} with others"
     assert eng.block_manager.num_free_pages == w.num_pages(), f"{label}: pages leaked"
     assert_kv_close(ref, w.prompts[0], eng.prefill_kv(list(w.prompts[0]), w.chunks[0]),
