@@ -33,6 +33,12 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)   # computed this step from seq.num_computed_tokens
     preempted: list[Sequence] = field(default_factory=list)
+    # Per seq: this step computes its last token, so the engine samples its next one. Fixed at
+    # scheduling time: postprocess moves num_computed_tokens on.
+    samples: list[bool] = field(init=False)
+
+    def __post_init__(self):
+        self.samples = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(self.seqs, self.num_new_tokens)]
 
     @property
     def is_empty(self) -> bool:
@@ -41,11 +47,6 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
-
-    @property
-    def samples(self) -> list[bool]:
-        """Per seq: whether this step computes its last token, so the engine must sample its next one."""
-        return [s.num_computed_tokens + n == s.num_tokens for s, n in zip(self.seqs, self.num_new_tokens)]
 
 
 class _Plan:

@@ -1,0 +1,353 @@
+"""The scheduler, driven by a fake model whose next token is a function of the sequence's tokens.
+
+Because the fake model's output depends only on a sequence's own tokens, every request must produce
+exactly what it produces alone, whatever the batching, chunking, preemption or prefix-cache hits. A
+shadow "K/V" per page slot (the token prefix it was computed from) catches a step that reads or writes
+the wrong page.
+"""
+import pytest
+from hypothesis import event, example, given, note, settings, strategies as st
+
+from chunkwise.sampling import SamplingParams
+from optimized.block_manager import BlockManager
+from optimized.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from optimized.sequence import Sequence, SequenceStatus
+
+pytestmark = pytest.mark.correctness
+
+VOCAB = 13
+
+
+def fake_next_token(tokens):
+    return (sum(t * (i + 3) for i, t in enumerate(tokens)) * 7 + len(tokens)) % VOCAB
+
+
+def alone(prompt, params, eos=()):
+    """What a request produces on its own: (generated tokens, finish reason)."""
+    tokens, out = list(prompt), []
+    while True:
+        t = fake_next_token(tokens)
+        tokens.append(t)
+        out.append(t)
+        if t in params.stop_token_ids or (not params.ignore_eos and t in eos):
+            return out, "stop"
+        if len(out) >= params.max_tokens:
+            return out, "length"
+
+
+class Driver:
+    """Runs the fake model over a scheduler's steps and checks each step's batch."""
+
+    def __init__(self, sched: Scheduler):
+        self.sched, self.bm = sched, sched.block_manager
+        self.kv = {p: [None] * self.bm.page_size for p in range(self.bm.num_pages)}
+        self.chunk_ends: dict[int, list[int]] = {}    # prefill step ends of seqs never preempted
+        self.steps = 0
+        self.preemptions = 0
+        self.oversized = 0
+
+    def step(self) -> tuple[ScheduledBatch, list[Sequence]]:
+        sched, cfg = self.sched, self.sched.config
+        assert sched.has_unfinished()
+        batch = sched.schedule()
+        self.steps += 1
+        assert not batch.is_empty, "an empty step with unfinished requests: the scheduler is stuck"
+        assert len(batch.seqs) == len({s.seq_id for s in batch.seqs})
+        assert len(batch.seqs) <= cfg.max_num_seqs and len(sched.running) <= cfg.max_num_seqs
+        if batch.num_tokens > cfg.max_num_batched_tokens:
+            (seq,), (n,) = batch.seqs, batch.num_new_tokens
+            assert seq.follows_chunk_sizes() and n == seq.next_chunk_end() - seq.num_computed_tokens, \
+                f"over budget: {batch.num_new_tokens} > {cfg.max_num_batched_tokens} without a caller chunk"
+            self.oversized += 1
+        for p in batch.preempted:
+            assert p.status is SequenceStatus.WAITING and not p.block_table and p.num_computed_tokens == 0
+            assert all(p.arrival > r.arrival for r in sched.running), "an older sequence was preempted"
+        self.preemptions += len(batch.preempted)
+        sampled = {}
+        for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
+            self._check_and_write(seq, n)
+            if samples:
+                sampled[seq.seq_id] = fake_next_token(seq.token_ids)
+        return batch, sched.postprocess(batch, sampled)
+
+    def _check_and_write(self, seq, n):
+        bm = self.bm
+        assert seq.status is SequenceStatus.RUNNING and n >= 1
+        assert seq.num_computed_tokens + n <= seq.num_tokens
+        assert len(seq.block_table) >= bm.pages_needed(seq.num_computed_tokens + n)
+        if seq.follows_chunk_sizes():
+            assert seq.num_computed_tokens + n == seq.next_chunk_end(), "a caller chunk was split or merged"
+        if seq.num_preemptions == 0 and seq.num_computed_tokens < seq.num_prompt_tokens:
+            self.chunk_ends.setdefault(seq.seq_id, []).append(seq.num_computed_tokens + n)
+        for pos in range(seq.num_computed_tokens):
+            got = self.kv[seq.block_table[pos // bm.page_size]][pos % bm.page_size]
+            assert got == tuple(seq.token_ids[:pos + 1]), f"{seq} reads wrong K/V at position {pos}"
+        for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+            page = seq.block_table[pos // bm.page_size]
+            assert bm.pages[page].ref_count == 1, f"{seq} writes into shared page {page}"
+            self.kv[page][pos % bm.page_size] = tuple(seq.token_ids[:pos + 1])
+
+    def run(self, max_steps=10_000):
+        finished = []
+        while self.sched.has_unfinished():
+            assert self.steps < max_steps
+            finished += self.step()[1]
+        return finished
+
+    def assert_pool_empty(self):
+        assert self.bm.num_free_pages == self.bm.num_pages
+        assert all(p.ref_count == 0 for p in self.bm.pages)
+        assert not self.sched.running and not self.sched.waiting
+
+
+def make(num_pages=64, page_size=4, budget=512, max_seqs=64, eos=()):
+    bm = BlockManager(num_pages, page_size)
+    return Scheduler(SchedulerConfig(budget, max_seqs), bm, eos_token_ids=eos)
+
+
+def assert_alone(seq, eos=()):
+    tokens, reason = alone(seq.prompt_token_ids, seq.sampling_params, eos)
+    assert (seq.completion_token_ids, seq.finish_reason) == (tokens, reason), f"sequence {seq.seq_id}"
+
+
+PREFIXES = ([1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 0, 0, 7, 8, 9], [5] * 9)
+
+
+@st.composite
+def workloads(draw):
+    # Under pressure every request arrives at once into a pool that holds only the longest one, so
+    # running sequences outgrow it and the newest get preempted.
+    pressure = draw(st.booleans())
+    page_size = draw(st.integers(1, 6))
+    max_tokens = draw(st.integers(6, 12) if pressure else st.integers(1, 12))
+    requests = []
+    for i in range(draw(st.integers(2 if pressure else 1, 6))):
+        base = draw(st.sampled_from(PREFIXES))
+        prompt = base[:draw(st.integers(0, len(base)))] + draw(st.lists(st.integers(0, VOCAB - 1),
+                                                                          min_size=1, max_size=8))
+        chunks = None
+        if draw(st.booleans()):
+            cuts = sorted(draw(st.sets(st.integers(1, len(prompt) - 1), max_size=3))) if len(prompt) > 1 else []
+            chunks = [b - a for a, b in zip([0] + cuts, cuts + [len(prompt)])]
+        arrive_at = 0 if pressure else draw(st.integers(0, 6))
+        requests.append((prompt, chunks, arrive_at, draw(st.booleans())))
+    longest = max(len(p) for p, *_ in requests) + max_tokens - 1
+    min_pages = -(-longest // page_size)
+    num_pages = min_pages if pressure else draw(st.integers(min_pages, 2 * min_pages + 2))
+    budget = draw(st.integers(1, 24))
+    max_seqs = 4 if pressure else draw(st.integers(1, 4))
+    eos = draw(st.sampled_from([(), (3,)]))
+    abort = draw(st.none() | st.tuples(st.integers(0, len(requests) - 1), st.integers(0, 8)))
+    return page_size, max_tokens, requests, num_pages, budget, max_seqs, eos, abort
+
+
+@settings(max_examples=10 * settings().max_examples)
+@given(workloads())
+@example((1, 3, [([1, 2, 3], [1, 1, 1], 0, False), ([1, 2, 3, 4], None, 1, False)], 6, 2, 2, (), None))
+@example((4, 2, [([1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 5], 0, False), ([1, 2, 3, 4, 5, 6, 7, 8, 9, 3], [9, 1], 3, True)],
+          3, 3, 2, (3,), None))
+def test_every_request_produces_what_it_produces_alone(workload):
+    """Budget, seq cap, caller chunks, preemption, prefix reuse and aborts never change a request's output."""
+    page_size, max_tokens, requests, num_pages, budget, max_seqs, eos, abort = workload
+    sched = make(num_pages, page_size, budget, max_seqs, eos)
+    driver = Driver(sched)
+    seqs = [Sequence(i, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), chunks)
+            for i, (prompt, chunks, _, ignore_eos) in enumerate(requests)]
+    arrivals = sorted(range(len(seqs)), key=lambda i: requests[i][2])
+    aborted = None
+    while arrivals or sched.has_unfinished():
+        while arrivals and (requests[arrivals[0]][2] <= driver.steps or not sched.has_unfinished()):
+            sched.add(seqs[arrivals.pop(0)])
+        if abort is not None and abort[1] == driver.steps and aborted is None and abort[0] in sched.seqs:
+            aborted = sched.abort(abort[0])
+            assert aborted.finish_reason == "abort" and not aborted.block_table
+            if not sched.has_unfinished():
+                continue
+        assert driver.steps < 5000
+        driver.step()
+    driver.assert_pool_empty()
+    event(f"preempted: {driver.preemptions > 0}")
+    event(f"prefix cache hit: {any(s.num_cached_tokens for s in seqs)}")
+    event(f"caller chunk over the budget ran alone: {driver.oversized > 0}")
+    for seq in seqs:
+        note(f"{seq.seq_id}: prompt {seq.prompt_token_ids} chunks {seq.chunk_sizes} cached {seq.num_cached_tokens}")
+        assert seq.num_cached_tokens < seq.num_prompt_tokens and seq.num_cached_tokens % page_size == 0
+        if seq is aborted:
+            continue
+        assert_alone(seq, eos)
+        if seq.chunk_sizes is not None and seq.seq_id in driver.chunk_ends:
+            boundaries = [sum(seq.chunk_sizes[:k + 1]) for k in range(len(seq.chunk_sizes))]
+            ends = driver.chunk_ends[seq.seq_id]
+            if seq.num_preemptions == 0:
+                assert ends == [b for b in boundaries if b > seq.num_cached_tokens]
+            else:
+                assert set(ends) <= set(boundaries)
+
+
+def test_decodes_and_prefill_chunks_are_mixed_in_one_step():
+    sched = make(budget=6)
+    a, b = Sequence(0, [1, 2, 3]), Sequence(1, list(range(10)))
+    sched.add(a)
+    driver = Driver(sched)
+    driver.step()                                       # a's prompt
+    sched.add(b)
+    batch, _ = driver.step()
+    assert [(s.seq_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [(0, 1), (1, 5)]
+    batch, _ = driver.step()
+    assert [(s.seq_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [(0, 1), (1, 5)]
+    assert batch.samples == [True, True]
+
+
+def test_a_long_prompt_is_split_by_the_budget():
+    sched = make(budget=4)
+    sched.add(Sequence(0, list(range(10)), SamplingParams(max_tokens=2)))
+    driver = Driver(sched)
+    assert [driver.step()[0].num_new_tokens for _ in range(4)] == [[4], [4], [2], [1]]
+    assert not sched.has_unfinished()
+
+
+def test_a_caller_chunk_that_does_not_fit_the_remaining_budget_waits():
+    sched = make(budget=8)
+    sched.add(Sequence(0, [1, 2, 3]))
+    sched.add(Sequence(1, list(range(8)), chunk_sizes=[7, 1]))
+    driver = Driver(sched)
+    steps = [[(s.seq_id, n) for s, n in zip(b.seqs, b.num_new_tokens)] for b in (driver.step()[0] for _ in range(3))]
+    assert steps == [[(0, 3)], [(0, 1), (1, 7)], [(0, 1), (1, 1)]]
+
+
+def test_a_caller_chunk_larger_than_the_budget_runs_alone():
+    sched = make(budget=4)
+    sched.add(Sequence(0, [1, 2]))
+    driver = Driver(sched)
+    driver.step()
+    sched.add(Sequence(1, list(range(10)), chunk_sizes=[10]))
+    steps = [[(s.seq_id, n) for s, n in zip(b.seqs, b.num_new_tokens)] for b in (driver.step()[0] for _ in range(3))]
+    assert steps == [[(0, 1)], [(1, 10)], [(0, 1), (1, 1)]]
+
+
+def test_max_num_seqs_caps_the_running_sequences():
+    sched = make(max_seqs=2)
+    seqs = [Sequence(i, [i + 1] * 3, SamplingParams(max_tokens=3)) for i in range(5)]
+    for s in seqs:
+        sched.add(s)
+    driver = Driver(sched)
+    batch, _ = driver.step()
+    assert [s.seq_id for s in batch.seqs] == [0, 1] and len(sched.waiting) == 3
+    driver.run()
+    for s in seqs:
+        assert_alone(s)
+
+
+def test_newest_sequence_is_preempted_when_pages_run_out_and_recomputes_to_the_same_output():
+    # 4 pages of 2 tokens: two 3-token prompts fit, but both cannot grow to 3 + 4 tokens.
+    sched = make(num_pages=4, page_size=2)
+    old, new = (Sequence(i, [i + 1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True)) for i in range(2))
+    sched.add(old)
+    sched.add(new)
+    driver = Driver(sched)
+    preempted_at = None
+    while preempted_at is None:
+        batch, _ = driver.step()
+        if batch.preempted:
+            assert batch.preempted == [new] and [s.seq_id for s in batch.seqs] == [0]
+            assert sched.waiting[0] is new and new.num_computed_tokens == 0 and not new.block_table
+            preempted_at = list(new.token_ids)
+    while new.status is SequenceStatus.WAITING:
+        driver.step()
+    # While it recomputes, no token is appended.
+    while new.num_computed_tokens < len(preempted_at):
+        assert new.token_ids == preempted_at
+        driver.step()
+    driver.run()
+    assert_alone(old)
+    assert_alone(new)
+    driver.assert_pool_empty()
+
+
+def test_abort_frees_pages_and_leaves_other_requests_untouched():
+    sched = make(num_pages=16, page_size=2)
+    seqs = [Sequence(i, [i + 1, 5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True)) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    driver = Driver(sched)
+    driver.step()
+    driver.step()
+    used = sched.block_manager.num_pages - sched.block_manager.num_free_pages
+    aborted = sched.abort(1)
+    assert aborted is seqs[1] and aborted.finish_reason == "abort" and aborted.is_finished
+    assert sched.block_manager.num_pages - sched.block_manager.num_free_pages == used - 3
+    assert sched.abort(1) is None and sched.abort(99) is None
+    driver.run()
+    assert_alone(seqs[0])
+    assert_alone(seqs[2])
+    driver.assert_pool_empty()
+
+
+def test_abort_between_schedule_and_postprocess_skips_the_aborted_sequence():
+    sched = make()
+    a, b = Sequence(0, [1, 2, 3]), Sequence(1, [4, 5, 6])
+    sched.add(a)
+    sched.add(b)
+    driver = Driver(sched)
+    batch = sched.schedule()
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        driver._check_and_write(seq, n)
+    sched.abort(0)
+    finished = sched.postprocess(batch, {1: fake_next_token(b.token_ids)})
+    assert finished == [] and a.completion_token_ids == [] and b.num_computed_tokens == 3
+    driver.run()
+    assert_alone(b)
+
+
+def test_finish_reasons_follow_eos_ignore_eos_stop_tokens_and_max_tokens():
+    prompt = [1, 2, 3]
+    first = fake_next_token(prompt)
+    cases = [(SamplingParams(max_tokens=4), (first,), "stop", 1),
+             (SamplingParams(max_tokens=4, ignore_eos=True), (first,), "length", 4),
+             (SamplingParams(max_tokens=4, ignore_eos=True, stop_token_ids=(first,)), (), "stop", 1),
+             (SamplingParams(max_tokens=2), (), "length", 2)]
+    for params, eos, reason, n in cases:
+        sched = make(eos=eos)
+        seq = Sequence(0, prompt, params)
+        sched.add(seq)
+        Driver(sched).run()
+        assert (seq.finish_reason, seq.num_generated_tokens) == (reason, n), params
+
+
+def test_prefix_cache_hits_are_counted_per_request():
+    sched = make(page_size=4)
+    first = Sequence(0, list(range(10)), SamplingParams(max_tokens=1))
+    sched.add(first)
+    driver = Driver(sched)
+    driver.run()
+    again = Sequence(1, list(range(10)) + [1, 2], SamplingParams(max_tokens=1))
+    other = Sequence(2, [9] + list(range(1, 10)), SamplingParams(max_tokens=1))
+    sched.add(again)
+    sched.add(other)
+    driver.run()
+    assert (first.num_cached_tokens, again.num_cached_tokens, other.num_cached_tokens) == (0, 8, 0)
+    assert_alone(again)
+
+
+def test_bad_inputs_raise_value_error_naming_the_value():
+    with pytest.raises(ValueError, match="max_num_batched_tokens.*0"):
+        SchedulerConfig(max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match="max_num_seqs.*-1"):
+        SchedulerConfig(max_num_seqs=-1)
+    with pytest.raises(ValueError, match="empty prompt"):
+        Sequence(0, [])
+    with pytest.raises(ValueError, match="-5"):
+        Sequence(0, [1, -5])
+    with pytest.raises(ValueError, match="chunk size 0"):
+        Sequence(0, [1, 2], chunk_sizes=[2, 0])
+    with pytest.raises(ValueError, match="sum to 3"):
+        Sequence(0, [1, 2], chunk_sizes=[1, 2])
+    sched = make(num_pages=2, page_size=4)
+    with pytest.raises(ValueError, match="need 3 pages"):
+        sched.add(Sequence(0, list(range(8)), SamplingParams(max_tokens=2)))
+    sched.add(Sequence(1, [1, 2], SamplingParams(max_tokens=1)))
+    with pytest.raises(ValueError, match="id 1"):
+        sched.add(Sequence(1, [3], SamplingParams(max_tokens=1)))
+    batch = sched.schedule()
+    with pytest.raises(ValueError, match="sequence 1"):
+        sched.postprocess(batch, {})
