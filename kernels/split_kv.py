@@ -22,13 +22,16 @@ from kernels.attention_tile import (LOG2E, attend_ref, attend_tiles, check_cache
 DEFAULT_SPLIT_SIZE = 512
 
 
-def _block_n(head_dim):
-    return 64 if head_dim <= 128 else 32
+def split_tile_config(head_dim, group):
+    """(BLOCK_H rows = the group's heads padded for tl.dot, BLOCK_N keys per tile, num_warps, num_stages)."""
+    block_n = 64 if head_dim <= 128 else 32
+    return max(16, triton.next_power_of_2(group)), block_n, 4, 2
 
 
-def _check_split(split_size, head_dim):
-    if not isinstance(split_size, int) or split_size < 1 or split_size % _block_n(head_dim):
-        raise ValueError(f"split_size must be a positive multiple of {_block_n(head_dim)}, got {split_size!r}")
+def _check_split(split_size, head_dim, group):
+    block_n = split_tile_config(head_dim, group)[1]
+    if not isinstance(split_size, int) or split_size < 1 or split_size % block_n:
+        raise ValueError(f"split_size must be a positive multiple of {block_n}, got {split_size!r}")
 
 
 def merge_splits_ref(partial_out, partial_lse, out):
@@ -113,7 +116,7 @@ def split_kv_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, slid
     """PyTorch twin of `split_kv_decode`: reference partials, then the reference merge."""
     check_cache(q, k_cache, v_cache, block_tables, seq_lens)
     check_window(sliding_window)
-    _check_split(split_size, q.shape[2])
+    _check_split(split_size, q.shape[2], q.shape[1] // k_cache.shape[2])
     out = torch.empty_like(q) if out is None else out
     partials = split_kv_partials_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, split_size)
     return merge_splits_ref(*partials, out)
@@ -168,14 +171,15 @@ def split_kv_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_
     check_cache(q, k_cache, v_cache, block_tables, seq_lens)
     check_window(sliding_window)
     num_seqs, num_heads, head_dim = q.shape
-    _check_split(split_size, head_dim)
+    group = num_heads // k_cache.shape[2]
+    _check_split(split_size, head_dim, group)
     if num_seqs != seq_lens.shape[0]:
         raise ValueError(f"q has {num_seqs} rows but seq_lens has {seq_lens.shape[0]}: one decode per sequence")
     out = torch.empty_like(q) if out is None else out
     if num_seqs == 0:
         return out
     num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    block_h, block_n, num_warps, num_stages = split_tile_config(head_dim, group)
     num_splits = triton.cdiv(block_tables.shape[1] * k_cache.shape[1], split_size)
     partial_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
     partial_lse = torch.empty(num_seqs, num_heads, num_splits, device=q.device, dtype=torch.float32)
@@ -188,7 +192,7 @@ def split_kv_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=_block_n(head_dim),
-        USE_WINDOW=sliding_window is not None, PRECISION=precision_for(q.dtype), num_warps=4, num_stages=2,
+        BLOCK_H=block_h, BLOCK_N=block_n, USE_WINDOW=sliding_window is not None,
+        PRECISION=precision_for(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     return merge_splits(partial_out, partial_lse, out)

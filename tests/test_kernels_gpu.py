@@ -1,0 +1,121 @@
+"""The kernels at production sizes on a GPU, in bf16, fp16 and fp32: against the references and invariance.
+
+Error measure (METHOD.md): ||out - ref|| / ||ref|| against the float32 reference on the same inputs.
+Bounds and why: fp32 uses IEEE dots, so only exp2-vs-exp and summation order differ (~1e-6; bound 1e-5);
+fp16 rounds P and the output to 11 bits (~5e-4 per element; bound 2e-3); bf16 to 8 bits (~4e-3 per
+element, ~2-3e-3 in norm; bound 1e-2).
+"""
+import pytest
+import torch
+
+from kernels import paged_attention, paged_attention_ref, split_kv_decode, split_kv_decode_ref, store_kv, store_kv_ref
+from kernels.testing import paginate, query_start_loc, random_kv
+
+pytestmark = [pytest.mark.gpu, pytest.mark.correctness]
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+REL_BOUND = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _rel_err(out, ref):
+    assert not out.isnan().any(), "unwritten or NaN output"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _attend(fn, cache, q, q_lens, seq_lens, scale, window=None):
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=q.device)
+    return fn(q, cache.k_cache, cache.v_cache, cache.block_tables, seq_lens, query_start_loc(q_lens, q.device),
+              scale, sliding_window=window, out=torch.full_like(q, float("nan")))
+
+
+def _mixed_batch(num_heads, num_kv_heads, head_dim, dtype, seqs, page_size, seed, extra=()):
+    gen = torch.Generator().manual_seed(seed)
+    kvs = [random_kv(p + c, num_kv_heads, head_dim, dtype, gen, "cuda") for p, c in seqs]
+    cache = paginate([*extra, *kvs], page_size, gen)
+    q = torch.randn(sum(c for _, c in seqs), num_heads, head_dim, generator=gen).to(dtype).cuda()
+    return cache, q, [c for _, c in seqs], [p + c for p, c in seqs], kvs
+
+
+# (cached prefix, new tokens): a 2048-token chunk after 4096 cached, a 1024 chunk after 1024, a fresh
+# 777-token prompt, and 40 decodes at contexts up to 4000.
+MIXED = [(4096, 2048), (1024, 1024), (0, 777)] + [(100 * i + 37, 1) for i in range(40)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_batch_matches_reference_32q_8kv_d128(dtype):
+    cache, q, q_lens, seq_lens, _ = _mixed_batch(32, 8, 128, dtype, MIXED, 16, seed=0)
+    out = _attend(paged_attention, cache, q, q_lens, seq_lens, 128 ** -0.5)
+    ref = _attend(paged_attention_ref, cache, q.float(), q_lens, seq_lens, 128 ** -0.5)
+    assert _rel_err(out, ref) < REL_BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 512])
+def test_mixed_batch_matches_reference_4q_1kv_d256(dtype, window):
+    seqs = [(3000, 1500), (0, 600)] + [(97 * i + 5, 1) for i in range(20)]
+    cache, q, q_lens, seq_lens, _ = _mixed_batch(4, 1, 256, dtype, seqs, 16, seed=1)
+    out = _attend(paged_attention, cache, q, q_lens, seq_lens, 256 ** -0.5, window)
+    ref = _attend(paged_attention_ref, cache, q.float(), q_lens, seq_lens, 256 ** -0.5, window)
+    assert _rel_err(out, ref) < REL_BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunked_prefill_is_bitwise_equal_to_one_pass_across_page_sizes_and_batches(dtype):
+    gen = torch.Generator().manual_seed(2)
+    length = 6144
+    kv = random_kv(length, 8, 128, dtype, gen, "cuda")
+    q = torch.randn(length, 32, 128, generator=gen).to(dtype).cuda()
+    whole = _attend(paged_attention, paginate([kv], 16, gen), q, [length], [length], 128 ** -0.5)
+    mates = [random_kv(n, 8, 128, dtype, gen, "cuda") for n in (3000, 5)]
+    for page_size in (1, 7, 32):
+        cache = paginate([mates[0], kv, mates[1]], page_size, gen)
+        start, pieces = 0, []
+        for end in (4096, 4097, 5000, 6144):
+            q_b = torch.cat([q[:3], q[start:end], q[:1]])  # batch-mates decode around the chunk
+            out = _attend(paged_attention, cache, q_b, [3, end - start, 1], [3000, end, 5], 128 ** -0.5)
+            pieces.append(out[3:3 + end - start])
+            start = end
+        assert torch.equal(torch.cat(pieces), whole), f"page_size {page_size}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_kv_decode_matches_reference_and_single_pass_at_long_context(dtype):
+    gen = torch.Generator().manual_seed(3)
+    lens = [16384, 9000, 513, 1]
+    cache = paginate([random_kv(n, 8, 128, dtype, gen, "cuda") for n in lens], 16, gen)
+    q = torch.randn(len(lens), 32, 128, generator=gen).to(dtype).cuda()
+    args = (cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, 128 ** -0.5)
+    out = split_kv_decode(q, *args, out=torch.full_like(q, float("nan")))
+    ref = split_kv_decode_ref(q.float(), *args)
+    single = paged_attention(q, *args[:4], query_start_loc([1] * len(lens), "cuda"), args[4])
+    assert _rel_err(out, ref) < REL_BOUND[dtype]
+    assert _rel_err(out, single.float()) < REL_BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_kv_decode_is_bitwise_invariant_at_long_context(dtype):
+    gen = torch.Generator().manual_seed(4)
+    kv = random_kv(20000, 8, 128, dtype, gen, "cuda")
+    q = torch.randn(1, 32, 128, generator=gen).to(dtype).cuda()
+    alone = paginate([kv], 16, gen)
+    alone_out = split_kv_decode(q, alone.k_cache, alone.v_cache, alone.block_tables, alone.seq_lens, 0.1)
+    mates = [random_kv(n, 8, 128, dtype, gen, "cuda") for n in (7000, 3)]
+    batch = paginate([mates[0], kv, mates[1]], 7, gen, extra_table_cols=300)
+    q_b = torch.randn(3, 32, 128, generator=gen).to(dtype).cuda()
+    q_b[1] = q[0]
+    out = split_kv_decode(q_b, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.1)
+    assert torch.equal(out[1:2], alone_out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_matches_reference_for_8192_tokens(dtype):
+    gen = torch.Generator().manual_seed(5)
+    key, value = random_kv(8192, 8, 128, dtype, gen, "cuda")
+    k_cache = torch.randn(600, 16, 8, 128, generator=gen).to(dtype).cuda()
+    v_cache = torch.randn_like(k_cache)
+    slots = torch.randperm(600 * 16, generator=gen)[:8192].cuda()
+    slots[::97] = -1
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kv(key, value, k_cache, v_cache, slots)
+    store_kv_ref(key, value, k_ref, v_ref, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
