@@ -59,7 +59,8 @@ class ModelConfig:
     hidden_act: str                      # "silu" or "gelu_pytorch_tanh" (gated MLP either way)
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool                 # bias on q/k/v projections (Qwen2)
+    attention_bias: bool                 # bias on the q/k/v projections
+    o_proj_bias: bool                    # bias on o_proj too (attention_bias in Llama, Qwen3, Gemma 3; never Qwen2)
     qk_norm: bool                        # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3)
     layer_types: tuple[str, ...]         # FULL or SLIDING, one per layer
     sliding_window: int | None           # a SLIDING layer's query sees the last `sliding_window` positions
@@ -136,6 +137,9 @@ class ModelConfig:
         act = d.get("hidden_activation") or d.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
         if act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"config.json activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
+        if d.get("mlp_bias"):
+            raise ValueError("config.json field 'mlp_bias' is true; MLP biases are not supported")
+        attention_bias = bool(d.get("attention_bias", model_type == "qwen2"))
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -144,7 +148,8 @@ class ModelConfig:
             num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             hidden_act=act, max_position_embeddings=int(d.get("max_position_embeddings") or 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
-            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            attention_bias=attention_bias,
+            o_proj_bias=attention_bias and model_type in ("llama", "qwen3", "gemma3_text"),
             qk_norm=model_type in ("qwen3", "gemma3_text"),
             layer_types=layer_types, sliding_window=int(window) if SLIDING in layer_types else None,
             rope=_rope_configs(d, model_type), attn_scale=scale,

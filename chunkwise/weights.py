@@ -40,8 +40,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.attention_bias:
             layer.update({"self_attn.q_proj.bias": (q_out,), "self_attn.k_proj.bias": (kv_out,),
                           "self_attn.v_proj.bias": (kv_out,)})
-            if cfg.model_type != "qwen2":   # Qwen2 biases q/k/v only; Llama, Qwen3, Gemma 3 bias o_proj too
-                layer["self_attn.o_proj.bias"] = (h,)
+        if cfg.o_proj_bias:
+            layer["self_attn.o_proj.bias"] = (h,)
         if cfg.qk_norm:
             layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
         if cfg.sandwich_norms:
