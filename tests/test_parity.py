@@ -19,6 +19,9 @@ from chunkwise.checkpoints import tiny_checkpoint
 from optimized import Engine, SamplingParams
 
 pytestmark = pytest.mark.correctness
+# The strict tier is float32 end to end: no TF32 in torch's matmuls on GPU (the kernels use IEEE dots).
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3_text"]
 VOCAB = 384                  # the tiny factory's vocabulary
