@@ -109,14 +109,18 @@ class Scheduler:
                 break
             if seq.status is SequenceStatus.RUNNING:   # not preempted earlier in this loop
                 self._reserve(seq, 1, plan)
+        # A running seq whose caller chunk waits for budget keeps newcomers out, or a stream of
+        # arrivals turning into decodes could starve it.
+        chunk_waits = False
         for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
             if plan.budget <= 0 or self._alone is not None:
                 break
             if seq.status is SequenceStatus.RUNNING:
                 n = self._chunk(seq, plan)
+                chunk_waits |= n == 0
                 if n > 0:
                     self._reserve(seq, n, plan)
-        if self._alone is None:
+        if self._alone is None and not chunk_waits:
             self._admit(plan)
         return plan.batch()
 
@@ -193,16 +197,18 @@ class Scheduler:
 
     def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
         """Advance the batch's seqs after the model ran; append sampled tokens; returns newly finished seqs."""
+        # Seqs aborted between schedule and postprocess are skipped; check before changing anything.
+        live = [(seq, n, s) for seq, n, s in zip(batch.seqs, batch.num_new_tokens, batch.samples)
+                if seq.status is SequenceStatus.RUNNING]
+        missing = [seq.seq_id for seq, _, s in live if s and seq.seq_id not in sampled]
+        if missing:
+            raise ValueError(f"sequences {missing} computed all their tokens but no sampled token was given")
         finished = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.status is not SequenceStatus.RUNNING:   # aborted between schedule and postprocess
-                continue
+        for seq, n, samples in live:
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
-            if seq.num_computed_tokens < seq.num_tokens:
+            if not samples:
                 continue
-            if seq.seq_id not in sampled:
-                raise ValueError(f"sequence {seq.seq_id} computed all its tokens but no sampled token was given")
             token = sampled[seq.seq_id]
             seq.token_ids.append(token)
             reason = self._finish_reason(seq, token)

@@ -225,6 +225,22 @@ def test_a_caller_chunk_larger_than_the_budget_runs_alone():
     assert steps == [[(0, 1)], [(1, 10)], [(0, 1), (1, 1)]]
 
 
+def test_a_waiting_caller_chunk_keeps_newcomers_out_so_it_is_not_starved():
+    sched = make(budget=4)
+    a = Sequence(0, [1, 2, 3, 4], chunk_sizes=[1, 3])
+    decoders = [Sequence(i, [i], SamplingParams(max_tokens=3, ignore_eos=True)) for i in (1, 2, 3)]
+    late = Sequence(4, [9], SamplingParams(max_tokens=3, ignore_eos=True))
+    for s in [a, *decoders, late]:
+        sched.add(s)
+    driver = Driver(sched)
+    while a.num_computed_tokens < a.num_prompt_tokens:
+        assert late.status is SequenceStatus.WAITING, "a newcomer was admitted while a's chunk waited"
+        driver.step()
+    driver.run()
+    for s in [a, *decoders, late]:
+        assert_alone(s)
+
+
 def test_max_num_seqs_caps_the_running_sequences():
     sched = make(max_seqs=2)
     seqs = [Sequence(i, [i + 1] * 3, SamplingParams(max_tokens=3)) for i in range(5)]
@@ -349,5 +365,6 @@ def test_bad_inputs_raise_value_error_naming_the_value():
     with pytest.raises(ValueError, match="id 1"):
         sched.add(Sequence(1, [3], SamplingParams(max_tokens=1)))
     batch = sched.schedule()
-    with pytest.raises(ValueError, match="sequence 1"):
+    with pytest.raises(ValueError, match=r"sequences \[1\]"):
         sched.postprocess(batch, {})
+    assert sched.seqs[1].num_computed_tokens == 0, "a rejected postprocess changed state"
