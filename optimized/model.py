@@ -78,6 +78,8 @@ class Model:
         }
         if self.cfg.attention_bias:
             out["qkv_bias"] = torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+        if self.cfg.o_proj_bias:
+            out["o_bias"] = w[p + "self_attn.o_proj.bias"]
         if self.cfg.qk_norm:
             out["q_norm"], out["k_norm"] = w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"]
         if self.cfg.sandwich_norms:
@@ -140,4 +142,5 @@ class Model:
         if p < t:
             split_kv_decode(q[p:], k_cache, v_cache, inp.decode_block_tables, inp.decode_seq_lens,
                             cfg.attn_scale, sliding_window=window, out=out[p:])
-        return out.reshape(t, q_size) @ lw["o"].t()
+        out = out.reshape(t, q_size) @ lw["o"].t()
+        return out + lw["o_bias"] if "o_bias" in lw else out

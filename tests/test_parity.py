@@ -41,6 +41,7 @@ class Model:
     group: int = 2
     head_dim: int = 16
     window: int | None = None
+    bias: bool = False               # attention_bias (Qwen2 has it by default; Llama/Qwen3 bias o_proj too)
 
     def checkpoint(self):
         # hidden 96: divisible by every head count drawn (HF's configs insist, though head_dim is explicit)
@@ -48,6 +49,8 @@ class Model:
                   num_key_value_heads=self.kv_heads, head_dim=self.head_dim)
         if self.window is not None:
             kw["sliding_window"] = self.window
+        if self.bias:
+            kw["attention_bias"] = True
         return tiny_checkpoint(self.family, seed=0, **kw)
 
 
@@ -75,7 +78,7 @@ def models(draw) -> Model:
     window = draw(st.sampled_from([3, 8, 24])) if family in ("mistral", "gemma3_text") else None
     return Model(family, layers=draw(st.integers(1, 2)), kv_heads=draw(st.sampled_from([1, 2])),
                  group=draw(st.sampled_from([1, 2, 3])), head_dim=draw(st.sampled_from([16, 24, 80])),
-                 window=window)
+                 window=window, bias=family in ("llama", "qwen3") and draw(st.booleans()))
 
 
 def cuts(draw, n: int) -> tuple[int, ...] | None:
@@ -171,6 +174,7 @@ TIGHT = Workload(  # page size 1 in a pool that forces preemption
 @settings(max_examples=EXAMPLES)
 @example(model=Model("gemma3_text", kv_heads=1, group=3, head_dim=24, window=3), w=EDGE, greedy_stop=False)
 @example(model=Model("qwen2", kv_heads=2, group=1, head_dim=80), w=TIGHT, greedy_stop=True)
+@example(model=Model("llama", layers=1, kv_heads=1, group=2, bias=True), w=TIGHT, greedy_stop=False)
 @given(model=models(), w=workloads(), greedy_stop=st.booleans())
 def test_greedy_tokens_and_cached_kv_match_reference(model: Model, w: Workload, greedy_stop: bool):
     ckpt = model.checkpoint()
