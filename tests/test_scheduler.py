@@ -7,6 +7,7 @@ the wrong page.
 """
 import pytest
 from hypothesis import event, example, given, note, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from chunkwise.sampling import SamplingParams
 from optimized.block_manager import BlockManager
@@ -182,6 +183,65 @@ def test_every_request_produces_what_it_produces_alone(workload):
                 assert ends == [b for b in boundaries if b > seq.num_cached_tokens]
             else:
                 assert set(ends) <= set(boundaries)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Requests arrive, steps run, requests are aborted at any point; the rest still produce their own output."""
+
+    @initialize(page_size=st.integers(1, 4), extra_pages=st.integers(0, 6), budget=st.integers(1, 12),
+                max_seqs=st.integers(1, 4))
+    def setup(self, page_size, extra_pages, budget, max_seqs):
+        # Room for the longest request (9 + 4 prompt tokens, max_tokens 6) and a few pages more.
+        self.sched = make(-(-18 // page_size) + extra_pages, page_size, budget, max_seqs, eos=(3,))
+        self.driver = Driver(self.sched)
+        self.all: list[Sequence] = []
+
+    @rule(data=st.data())
+    def arrive(self, data):
+        base = data.draw(st.sampled_from(PREFIXES))
+        prompt = base[:data.draw(st.integers(0, 9))] + data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=1,
+                                                                         max_size=4))
+        chunks = data.draw(st.sampled_from([None, [len(prompt)], [1] * len(prompt)]))
+        params = SamplingParams(max_tokens=data.draw(st.integers(1, 6)), ignore_eos=data.draw(st.booleans()))
+        seq = Sequence(len(self.all), prompt, params, chunks)
+        self.all.append(seq)
+        self.sched.add(seq)
+
+    @precondition(lambda self: self.sched.has_unfinished())
+    @rule()
+    def step(self):
+        self.driver.step()
+
+    @precondition(lambda self: self.sched.has_unfinished())
+    @rule(data=st.data())
+    def abort(self, data):
+        seq = self.sched.abort(data.draw(st.sampled_from(sorted(self.sched.seqs))))
+        assert seq.finish_reason == "abort" and not seq.block_table and seq.seq_id not in self.sched.seqs
+
+    @invariant()
+    def pages_belong_to_running_sequences_only(self):
+        bm = self.sched.block_manager
+        refs = [0] * bm.num_pages
+        for seq in self.sched.running:
+            for p in seq.block_table:
+                refs[p] += 1
+        assert [p.ref_count for p in bm.pages] == refs
+        assert all(not s.block_table and s.num_computed_tokens == 0 for s in self.sched.waiting)
+        assert len(self.sched.running) <= self.sched.config.max_num_seqs
+        assert bm.num_free_pages == sum(r == 0 for r in refs)
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        self.driver.run()
+        self.driver.assert_pool_empty()
+        for seq in self.all:
+            if seq.finish_reason != "abort":
+                assert_alone(seq, eos=(3,))
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(settings(), max_examples=5 * settings().max_examples, stateful_step_count=30)
 
 
 def test_decodes_and_prefill_chunks_are_mixed_in_one_step():
