@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from chunkwise.checkpoints import resolve_model
 from chunkwise.config import ModelConfig
 from chunkwise.real_checkpoints import (CHECKPOINTS, MARKER, Part, RealCheckpoint, assemble, cached_dir,
                                         checkpoint, part_paths, prepare)
@@ -238,7 +239,7 @@ def test_failed_build_leaves_no_directory(tmp_path):
 def test_converted_directories_are_plain_hf_checkpoints(real_dir):
     for name in (GEMMA, QWEN):
         path = real_dir(name)
-        assert real_dir(name) == path
+        assert real_dir(name) == path == resolve_model(name)
         assert (path / MARKER).read_text().endswith(f"gguf sha256 {CHECKPOINTS[name].sha256}\n")
         config = json.loads((path / "config.json").read_text())
         assert "quantization_config" not in config and config["dtype"] == "float32"
