@@ -68,11 +68,13 @@ def attend_tiles(
     k_cache_ptr, v_cache_ptr, table_ptr, page_size, kv_head,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr,
 ):
     """Fold KV tiles t_start..t_end-1 into the online-softmax state (m_i, l_i, acc) of rows q [M, D_PAD].
 
     Scores are in log2 units (qk_scale = scale * log2(e)). Rows that see no key keep m_i = -inf, l_i = 0.
+    MASKED=False is for tiles that every row sees whole: the mask would keep every score, so skipping it
+    changes no bit (the kernels launch with FP fusion off so both variants round alike).
     """
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
@@ -84,10 +86,11 @@ def attend_tiles(
         k = tl.load(k_cache_ptr + page[None, :] * stride_kp + offset[None, :] * stride_ks
                     + kv_head * stride_kh + d[:, None], mask=d_ok[:, None] & pos_ok[None, :], other=0.0)
         scores = tl.dot(q, k, input_precision=PRECISION) * qk_scale
-        mask = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
-        if USE_WINDOW:
-            mask = mask & (pos[None, :] > q_pos[:, None] - window)
-        scores = tl.where(mask, scores, float("-inf"))
+        if MASKED:
+            mask = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+            if USE_WINDOW:
+                mask = mask & (pos[None, :] > q_pos[:, None] - window)
+            scores = tl.where(mask, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         # A row with no visible key yet keeps -inf; subtracting 0 instead keeps exp2 free of NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

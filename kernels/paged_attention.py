@@ -20,11 +20,16 @@ from kernels.attention_tile import (LOG2E, attend_ref, attend_tiles, check_cache
                                     precision_for)
 
 
-def tile_config(head_dim, group):
-    """(BLOCK_M rows, BLOCK_N keys per tile, num_warps, num_stages) for a head_dim and GQA group size."""
-    block_m = max(64, triton.next_power_of_2(group))
-    block_n = 64 if head_dim <= 128 else 32
-    return block_m, block_n, 4, 2
+def tile_config(head_dim, group, dtype):
+    """(BLOCK_M rows, BLOCK_N keys per tile, num_warps, num_stages) for a head_dim, GQA group size and dtype.
+
+    Picked on an H200 by benchmarks/sweep_kernels.py (bf16, d128, 32q/8kv): 128x128 tiles with 8 warps ran
+    chunked prefill at ~245 TFLOP/s against ~210 for 64x64. fp32 tiles of that size overflow shared memory,
+    and d256 keeps small tiles for registers.
+    """
+    if head_dim <= 128 and dtype != torch.float32:
+        return max(128, triton.next_power_of_2(group)), 128, 8, 2
+    return max(64, triton.next_power_of_2(group)), 64 if head_dim <= 128 else 32, 4, 2
 
 
 def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sliding_window, out):
@@ -102,19 +107,34 @@ def _paged_attention_kernel(
     row_tok = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + row_tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0)
 
-    last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len)
+    last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len)  # one past the block's last query
     t_end = tl.cdiv(last_pos, BLOCK_N)
     t_start = 0
+    # Tiles [full_lo, full_hi) are seen whole by every row of the block: they skip the mask.
+    full_lo = t_start
     if USE_WINDOW:
         t_start = tl.maximum(first_pos - window + 1, 0) // BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(last_pos - window, 0), BLOCK_N)
+    full_lo = tl.minimum(tl.maximum(full_lo, t_start), t_end)
+    full_hi = tl.minimum(tl.maximum((first_pos + 1) // BLOCK_N, full_lo), t_end)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    table = block_tables_ptr + s.to(tl.int64) * stride_bt
     m_i, l_i, acc = attend_tiles(
-        q, q_pos, m_i, l_i, acc, t_start, t_end, seq_len, window,
-        k_cache_ptr, v_cache_ptr, block_tables_ptr + s.to(tl.int64) * stride_bt, page_size, kv_head,
-        stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
-        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION,
+        q, q_pos, m_i, l_i, acc, t_start, full_lo, seq_len, window, k_cache_ptr, v_cache_ptr, table, page_size,
+        kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
+        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True,
+    )
+    m_i, l_i, acc = attend_tiles(
+        q, q_pos, m_i, l_i, acc, full_lo, full_hi, seq_len, window, k_cache_ptr, v_cache_ptr, table, page_size,
+        kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
+        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, False,
+    )
+    m_i, l_i, acc = attend_tiles(
+        q, q_pos, m_i, l_i, acc, full_hi, t_end, seq_len, window, k_cache_ptr, v_cache_ptr, table, page_size,
+        kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
+        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True,
     )
     # Padding rows see no key (l_i = 0); only they would divide by zero, and they are not stored.
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -133,7 +153,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    block_m, block_n, num_warps, num_stages = tile_config(head_dim, group)
+    block_m, block_n, num_warps, num_stages = tile_config(head_dim, group, q.dtype)
     block_q = block_m // group
     # Sequence s's blocks start at query_start_loc[s] // block_q + s, so this bound covers every block
     # without reading query lengths back to the host.
@@ -147,6 +167,6 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         GROUP=group, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None, PRECISION=precision_for(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
     )
     return out

@@ -86,7 +86,7 @@ def merge_splits(partial_out, partial_lse, out):
         partial_out, partial_lse, out, num_splits,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+        HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), enable_fp_fusion=False,
     )
     return out
 
@@ -155,7 +155,7 @@ def _split_kernel(
         q, q_pos, m_i, l_i, acc, lo // BLOCK_N, tl.cdiv(hi, BLOCK_N), hi, window,
         k_cache_ptr, v_cache_ptr, block_tables_ptr + s.to(tl.int64) * stride_bt, page_size, kv_head,
         stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
-        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION,
+        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True,
     )
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -193,6 +193,6 @@ def split_kv_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         GROUP=group, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
         BLOCK_H=block_h, BLOCK_N=block_n, USE_WINDOW=sliding_window is not None,
-        PRECISION=precision_for(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        PRECISION=precision_for(q.dtype), num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
     )
     return merge_splits(partial_out, partial_lse, out)

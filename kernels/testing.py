@@ -20,9 +20,9 @@ class PagedKV:
 def random_kv(seq_len, num_kv_heads, head_dim, dtype, generator, device="cpu"):
     """(k, v), each [seq_len, num_kv_heads, head_dim] of standard normals (never zeros)."""
     shape = (seq_len, num_kv_heads, head_dim)
-    k = torch.randn(shape, generator=generator, device=device).to(dtype)
-    v = torch.randn(shape, generator=generator, device=device).to(dtype)
-    return k, v
+    k = torch.randn(shape, generator=generator).to(dtype)
+    v = torch.randn(shape, generator=generator).to(dtype)
+    return k.to(device), v.to(device)
 
 
 def paginate(kv_seqs, page_size, generator, spare_pages=3, extra_table_cols=1, poison=float("nan")):

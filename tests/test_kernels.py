@@ -5,13 +5,15 @@ the interpreter is slow. Production sizes live in test_kernels_gpu.py.
 """
 import pytest
 import torch
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kernels import paged_attention, paged_attention_ref, store_kv, store_kv_ref
 from kernels.testing import paginate, query_start_loc, random_kv
 
 pytestmark = pytest.mark.correctness
+# The properties worth most examples get three times the profile's count (ci: 30, thorough: 900).
+MORE = settings(max_examples=3 * settings.default.max_examples)
 
 # (num_heads, num_kv_heads): MHA, GQA (incl. Qwen2.5-0.5B's 14/2), MQA (incl. an odd group of 5).
 HEADS = [(4, 4), (8, 2), (14, 2), (4, 1), (5, 1), (6, 3)]
@@ -66,6 +68,7 @@ def _run_batch(fn, cache, qs, q_lens, seq_lens, scale, window):
 @example(heads=(14, 2), head_dim=64, page_size=16, seqs=[(20, 12)], window=None, dtype=torch.float16, seed=3)
 @example(heads=(4, 4), head_dim=96, page_size=16, seqs=[(16, 5)], window=7, dtype=torch.float32, seed=4)
 @example(heads=(5, 1), head_dim=64, page_size=7, seqs=[(0, 33), (7, 7)], window=8, dtype=torch.float16, seed=5)
+@MORE
 def test_paged_attention_matches_reference(heads, head_dim, page_size, seqs, window, dtype, seed, device):
     """seqs: (cached prefix, new chunk) per sequence; the cases pinned above: page size 1, one-token chunks,
     a chunk ending on a page boundary, a prefix equal to the page size, a zero prefix with a window."""
@@ -89,6 +92,7 @@ def _chunk_ends(data, length):
 
 
 @given(data=st.data())
+@MORE
 def test_attention_rows_are_bitwise_invariant_to_chunking_page_size_permutation_and_batch(data, device):
     num_heads, num_kv_heads = data.draw(st.sampled_from(HEADS), label="heads")
     head_dim = data.draw(st.sampled_from([64, 80]), label="head_dim")

@@ -3,13 +3,15 @@ import math
 
 import pytest
 import torch
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kernels import merge_splits, merge_splits_ref, paged_attention, split_kv_decode, split_kv_decode_ref
 from kernels.testing import paginate, query_start_loc, random_kv
 
 pytestmark = pytest.mark.correctness
+# The properties worth most examples get three times the profile's count (ci: 30, thorough: 900).
+MORE = settings(max_examples=3 * settings.default.max_examples)
 
 HEADS = [(4, 4), (8, 2), (14, 2), (4, 1), (5, 1)]
 DTYPES = [torch.float32, torch.float16]
@@ -28,6 +30,7 @@ def _decode(fn, cache, q, scale, window, **kw):
          dtype=torch.float32, seed=0)
 @example(heads=(4, 1), head_dim=80, page_size=1, seq_lens=[200], split_size=64, window=10, dtype=torch.float16,
          seed=1)
+@MORE
 def test_split_kv_decode_matches_reference_and_single_pass(
         heads, head_dim, page_size, seq_lens, split_size, window, dtype, seed, device):
     """Pinned: a split ending exactly at the sequence end, a one-token sequence, and a window that leaves
@@ -49,6 +52,7 @@ def test_split_kv_decode_matches_reference_and_single_pass(
 
 
 @given(data=st.data())
+@MORE
 def test_split_kv_decode_is_bitwise_invariant_to_page_size_permutation_table_width_and_batch(data, device):
     num_heads, num_kv_heads = data.draw(st.sampled_from(HEADS), label="heads")
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
@@ -95,8 +99,10 @@ def test_merge_splits_weighs_empty_splits_zero_without_nan(num_splits, head_dim,
     torch.testing.assert_close(out, ref, **TOLERANCE[out_dtype])
     # Empty splits inserted anywhere leave the result bitwise unchanged.
     order = [num_splits, *range(num_splits), num_splits + 1]
-    padded_out = torch.cat([partial_out, torch.zeros_like(partial_out[:, :, :2])], dim=2)[:, :, order]
-    padded_lse = torch.cat([partial_lse, torch.full_like(partial_lse[:, :, :2], -math.inf)], dim=2)[:, :, order]
+    empty_out = partial_out.new_zeros(3, 4, 2, head_dim)
+    empty_lse = partial_lse.new_full((3, 4, 2), -math.inf)
+    padded_out = torch.cat([partial_out, empty_out], dim=2)[:, :, order]
+    padded_lse = torch.cat([partial_lse, empty_lse], dim=2)[:, :, order]
     assert torch.equal(merge_splits(padded_out.contiguous(), padded_lse.contiguous(), torch.empty_like(out)), out)
 
 
