@@ -65,13 +65,14 @@ def attend_ref(q, k, v, q_pos, scale, sliding_window):
 @triton.jit
 def attend_tiles(
     q, q_pos, m_i, l_i, acc, t_start, t_end, seq_len, window,
-    k_cache_ptr, v_cache_ptr, table_ptr, page_size, kv_head,
+    k_cache_ptr, v_cache_ptr, table_ptr, PAGE_SIZE: tl.constexpr, kv_head,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr,
 ):
     """Fold KV tiles t_start..t_end-1 into the online-softmax state (m_i, l_i, acc) of rows q [M, D_PAD].
 
+    PAGE_SIZE is a compile-time constant so the per-position page lookup divides by a constant.
     Scores are in log2 units (qk_scale = scale * log2(e)). Rows that see no key keep m_i = -inf, l_i = 0.
     MASKED=False is for tiles that every row sees whole: the mask would keep every score, so skipping it
     changes no bit (the kernels launch with FP fusion off so both variants round alike).
@@ -81,8 +82,8 @@ def attend_tiles(
     for t in range(t_start, t_end):
         pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
         pos_ok = pos < seq_len
-        page = tl.load(table_ptr + pos // page_size, mask=pos_ok, other=0).to(tl.int64)
-        offset = pos % page_size
+        page = tl.load(table_ptr + pos // PAGE_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        offset = pos % PAGE_SIZE
         k = tl.load(k_cache_ptr + page[None, :] * stride_kp + offset[None, :] * stride_ks
                     + kv_head * stride_kh + d[:, None], mask=d_ok[:, None] & pos_ok[None, :], other=0.0)
         scores = tl.dot(q, k, input_precision=PRECISION) * qk_scale

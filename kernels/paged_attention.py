@@ -78,10 +78,10 @@ def _find_sequence(query_start_loc_ptr, num_seqs, block_idx, BLOCK_Q: tl.constex
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    num_seqs, qk_scale, window, page_size,
+    num_seqs, qk_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -122,17 +122,17 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     table = block_tables_ptr + s.to(tl.int64) * stride_bt
     m_i, l_i, acc = attend_tiles(
-        q, q_pos, m_i, l_i, acc, t_start, full_lo, seq_len, window, k_cache_ptr, v_cache_ptr, table, page_size,
+        q, q_pos, m_i, l_i, acc, t_start, full_lo, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
         kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
         HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True,
     )
     m_i, l_i, acc = attend_tiles(
-        q, q_pos, m_i, l_i, acc, full_lo, full_hi, seq_len, window, k_cache_ptr, v_cache_ptr, table, page_size,
+        q, q_pos, m_i, l_i, acc, full_lo, full_hi, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
         kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
         HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, False,
     )
     m_i, l_i, acc = attend_tiles(
-        q, q_pos, m_i, l_i, acc, full_hi, t_end, seq_len, window, k_cache_ptr, v_cache_ptr, table, page_size,
+        q, q_pos, m_i, l_i, acc, full_hi, t_end, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
         kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
         HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True,
     )
@@ -160,11 +160,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-        num_seqs, scale * LOG2E, sliding_window or 0, k_cache.shape[1],
+        num_seqs, scale * LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        GROUP=group, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+        PAGE_SIZE=k_cache.shape[1], GROUP=group, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None, PRECISION=precision_for(q.dtype),
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,

@@ -125,10 +125,11 @@ def split_kv_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, slid
 @triton.jit
 def _split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, partial_out_ptr, partial_lse_ptr, block_tables_ptr, seq_lens_ptr,
-    qk_scale, window, page_size, split_size,
+    qk_scale, window, split_size,
     stride_qs, stride_qh, stride_bt, stride_ps, stride_ph, stride_pj, stride_ls, stride_lh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
 ):
     s = tl.program_id(0)
@@ -153,7 +154,7 @@ def _split_kernel(
     # Tiles stay at absolute multiples of BLOCK_N (split_size is one), whatever the window start.
     m_i, l_i, acc = attend_tiles(
         q, q_pos, m_i, l_i, acc, lo // BLOCK_N, tl.cdiv(hi, BLOCK_N), hi, window,
-        k_cache_ptr, v_cache_ptr, block_tables_ptr + s.to(tl.int64) * stride_bt, page_size, kv_head,
+        k_cache_ptr, v_cache_ptr, block_tables_ptr + s.to(tl.int64) * stride_bt, PAGE_SIZE, kv_head,
         stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
         HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True,
     )
@@ -185,13 +186,13 @@ def split_kv_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_
     partial_lse = torch.empty(num_seqs, num_heads, num_splits, device=q.device, dtype=torch.float32)
     _split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, partial_out, partial_lse, block_tables, seq_lens,
-        scale * LOG2E, sliding_window or 0, k_cache.shape[1], split_size,
+        scale * LOG2E, sliding_window or 0, split_size,
         q.stride(0), q.stride(1), block_tables.stride(0),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        GROUP=group, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+        PAGE_SIZE=k_cache.shape[1], GROUP=group, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
         BLOCK_H=block_h, BLOCK_N=block_n, USE_WINDOW=sliding_window is not None,
         PRECISION=precision_for(q.dtype), num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
     )
