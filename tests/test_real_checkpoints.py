@@ -55,7 +55,8 @@ class EngineCase:
         return f"{self.engine}-page{self.page_size}-chunks{self.chunk_seed}"
 
 
-ENGINE_CASES = [EngineCase("reference")]
+# The optimized engine with an odd page size and random chunk boundaries: the chunks and pages must not show.
+ENGINE_CASES = [EngineCase("reference"), EngineCase("optimized", page_size=7, chunk_seed=1)]
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,9 @@ def real_engine(real_dir):
         key = engine, name, page_size
         if key not in cache:
             cls = importlib.import_module(engine).Engine
-            cache[key] = cls(real_dir(name), dtype="float32", device="cpu", page_size=page_size)
+            # max_model_len and num_pages keep the optimized engine's CPU pool small; the reference ignores them.
+            cache[key] = cls(real_dir(name), dtype="float32", device="cpu", page_size=page_size,
+                             max_model_len=1024, num_pages=512)
         return cache[key]
     return get
 
