@@ -11,17 +11,15 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from chunkwise.checkpoints import resolve_model
-from chunkwise.config import ModelConfig
+from chunkwise.requests import open_checkpoint, prepare_requests
 from chunkwise.sampling import RequestOutput, SamplingParams
-from chunkwise.tokenizer import as_prompt_list, decode, encode_prompts, load_tokenizer
+from chunkwise.tokenizer import decode
 from chunkwise.weights import load_weights
 from optimized.block_manager import BlockManager
 from optimized.model_runner import ModelRunner
 from optimized.scheduler import Scheduler, SchedulerConfig
 from optimized.sequence import Sequence
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TQDM_MIN_PROMPTS = 16   # progress bars only for batches worth watching
 
 
@@ -30,35 +28,6 @@ class StepOutput:
     request_id: int
     new_token_ids: list[int]
     finished: bool
-
-
-def expand_chunk_sizes(chunk_sizes, prompt_len: int, index: int) -> list[int] | None:
-    """One prompt's chunk lengths from None, an int (fixed chunk length) or an explicit list."""
-    if chunk_sizes is None:
-        return None
-    if isinstance(chunk_sizes, int) and not isinstance(chunk_sizes, bool):
-        if chunk_sizes < 1:
-            raise ValueError(f"prompt {index}: chunk size {chunk_sizes} must be >= 1")
-        full, rest = divmod(prompt_len, chunk_sizes)
-        return [chunk_sizes] * full + ([rest] if rest else [])
-    sizes = list(chunk_sizes)
-    for c in sizes:
-        if not isinstance(c, int) or isinstance(c, bool) or c < 1:
-            raise ValueError(f"prompt {index}: chunk size {c!r} in {sizes} is not an integer >= 1")
-    if sum(sizes) != prompt_len:
-        raise ValueError(f"prompt {index}: chunk sizes {sizes} sum to {sum(sizes)}, not the prompt length "
-                         f"{prompt_len}")
-    return sizes
-
-
-def per_prompt(value, n: int, name: str, is_one) -> list:
-    """`value` for each of n prompts: one value shared by all, or a list of exactly n."""
-    if is_one(value):
-        return [value] * n
-    value = list(value)
-    if len(value) != n:
-        raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
-    return value
 
 
 class Engine:
@@ -70,24 +39,13 @@ class Engine:
     def __init__(self, model, dtype="float32", device=None, page_size=16, max_model_len=None,
                  num_pages=None, gpu_memory_utilization=0.9, max_num_batched_tokens=512, max_num_seqs=64,
                  enable_prefix_caching=True, enforce_eager=False, split_kv_threshold=None):
-        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
-            raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
-        if isinstance(dtype, str) and dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not supported; expected one of {sorted(DTYPES)}")
-        path = resolve_model(model)
-        self.config = ModelConfig.from_dir(path)
-        self.tokenizer = load_tokenizer(path)
-        limit = self.config.max_position_embeddings
-        self.max_model_len = limit if max_model_len is None else max_model_len
-        if not isinstance(self.max_model_len, int) or not 2 <= self.max_model_len <= limit:
-            raise ValueError(f"max_model_len must be an integer in [2, {limit}] (max_position_embeddings), "
-                             f"got {max_model_len!r}")
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        ckpt = open_checkpoint(model, dtype, device, page_size, max_model_len)
+        self.checkpoint, self.config, self.tokenizer = ckpt, ckpt.config, ckpt.tokenizer
+        self.dtype, self.device, self.max_model_len = ckpt.dtype, ckpt.device, ckpt.max_model_len
         sched_cfg = SchedulerConfig(max_num_batched_tokens, max_num_seqs)
+        weights = load_weights(ckpt.path, self.dtype, self.device, cfg=self.config)
         self.runner = ModelRunner(
-            self.config, load_weights(path, self.dtype, self.device), dtype=self.dtype, device=self.device,
-            page_size=page_size, max_model_len=self.max_model_len, num_pages=num_pages,
+            self.config, weights, dtype=self.dtype, device=self.device, page_size=page_size, max_model_len=self.max_model_len, num_pages=num_pages,
             gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, enforce_eager=enforce_eager, split_kv_threshold=split_kv_threshold)
         self.page_size = page_size
@@ -101,22 +59,8 @@ class Engine:
     # ---- requests ----------------------------------------------------------------------------------
     def _prepare(self, prompts, sampling_params, chunk_sizes) -> list[Sequence]:
         """Validated sequences for a batch of prompts (nothing is scheduled yet)."""
-        prompts = as_prompt_list(prompts)
-        ids = encode_prompts(prompts, self.tokenizer, self.config)
-        n = len(ids)
-        params = per_prompt(sampling_params, n, "sampling_params",
-                            lambda v: v is None or isinstance(v, SamplingParams))
-        if n == 1 and isinstance(chunk_sizes, (list, tuple)) and chunk_sizes \
-                and all(isinstance(c, int) for c in chunk_sizes):
-            chunk_sizes = [chunk_sizes]   # one prompt's flat list of chunk lengths
-        chunks = per_prompt(chunk_sizes, n, "chunk_sizes", lambda v: v is None or isinstance(v, int))
-        seqs = []
-        for i, (tokens, p, c) in enumerate(zip(ids, params, chunks)):
-            p = p if p is not None else SamplingParams()
-            if len(tokens) + p.max_tokens > self.max_model_len:
-                raise ValueError(f"prompt {i}: {len(tokens)} tokens + max_tokens {p.max_tokens} exceed "
-                                 f"max_model_len {self.max_model_len}")
-            seqs.append(Sequence(-1, tokens, p, expand_chunk_sizes(c, len(tokens), i)))
+        seqs = [Sequence(-1, r.prompt_token_ids, r.params, r.chunk_sizes)
+                for r in prepare_requests(self.checkpoint, prompts, sampling_params, chunk_sizes)]
         most = max(s.num_prompt_tokens + s.sampling_params.max_tokens - 1 for s in seqs)
         if self.block_manager.pages_needed(most) > self.block_manager.num_pages:
             raise ValueError(f"a request needs {self.block_manager.pages_needed(most)} pages of {self.page_size} "
