@@ -28,9 +28,9 @@ VOCAB = 384                  # the tiny factory's vocabulary
 MAX_MODEL_LEN = 128
 KV_RTOL = 1e-4               # float32, different summation orders: measured errors are ~1e-6
 # Examples per property scale with the profile (ci 10, dev 25, thorough 300): the main parity property
-# runs twice the profile's count, the two narrower ones the profile's count.
-EXAMPLES = 2 * settings().max_examples
-NARROW_EXAMPLES = settings().max_examples
+# runs five times the profile's count, the two narrower ones three times (ci: 50 and 30, about a minute).
+EXAMPLES = 5 * settings().max_examples
+NARROW_EXAMPLES = 3 * settings().max_examples
 
 
 @dataclass(frozen=True)
