@@ -9,6 +9,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kernels import paged_attention, paged_attention_ref, store_kv, store_kv_ref
+from kernels.store_kv import store_block_tokens
 from kernels.testing import paginate, query_start_loc, random_kv
 
 pytestmark = pytest.mark.correctness
@@ -25,10 +26,17 @@ TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol
 
 
 @given(page_size=st.integers(1, 64), num_kv_heads=st.integers(1, 4), head_dim=st.sampled_from(HEAD_DIMS),
-       num_tokens=st.integers(1, 20), dtype=st.sampled_from(DTYPES), cache_dtype=st.sampled_from(DTYPES),
-       seed=st.integers(0, 2**16))
+       whole_blocks=st.integers(0, 2), extra_tokens=st.integers(-2, 20), dtype=st.sampled_from(DTYPES),
+       cache_dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+@example(page_size=16, num_kv_heads=2, head_dim=64, whole_blocks=2, extra_tokens=0, dtype=torch.float32,
+         cache_dtype=torch.float32, seed=0)
+@example(page_size=7, num_kv_heads=3, head_dim=80, whole_blocks=1, extra_tokens=1, dtype=torch.float16,
+         cache_dtype=torch.float32, seed=1)
 def test_store_kv_writes_every_token_to_its_slot_and_skips_padding(
-        page_size, num_kv_heads, head_dim, num_tokens, dtype, cache_dtype, seed, device):
+        page_size, num_kv_heads, head_dim, whole_blocks, extra_tokens, dtype, cache_dtype, seed, device):
+    """Token counts around multiples of the kernel's block: exactly full blocks (pinned: two), one token
+    into a further block (pinned), a few short of a block boundary, and fewer than one block."""
+    num_tokens = max(1, whole_blocks * store_block_tokens(num_kv_heads, head_dim, device) + extra_tokens)
     gen = torch.Generator().manual_seed(seed)
     num_pages = num_tokens // page_size + 3
     slots = torch.randperm(num_pages * page_size, generator=gen)[:num_tokens]

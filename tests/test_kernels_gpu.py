@@ -108,12 +108,13 @@ def test_split_kv_decode_is_bitwise_invariant_at_long_context(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_store_kv_matches_reference_for_8192_tokens(dtype):
+@pytest.mark.parametrize("num_tokens", [8192, 8189])  # whole blocks of tokens, and a partial last block
+def test_store_kv_matches_reference_for_thousands_of_tokens(dtype, num_tokens):
     gen = torch.Generator().manual_seed(5)
-    key, value = random_kv(8192, 8, 128, dtype, gen, "cuda")
+    key, value = random_kv(num_tokens, 8, 128, dtype, gen, "cuda")
     k_cache = torch.randn(600, 16, 8, 128, generator=gen).to(dtype).cuda()
     v_cache = torch.randn_like(k_cache)
-    slots = torch.randperm(600 * 16, generator=gen)[:8192].cuda()
+    slots = torch.randperm(600 * 16, generator=gen)[:num_tokens].cuda()
     slots[::97] = -1
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     store_kv(key, value, k_cache, v_cache, slots)
