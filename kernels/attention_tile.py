@@ -68,7 +68,7 @@ def attend_tiles(
     k_cache_ptr, v_cache_ptr, table_ptr, PAGE_SIZE: tl.constexpr, kv_head,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr,
+    USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
 ):
     """Fold KV tiles t_start..t_end-1 into the online-softmax state (m_i, l_i, acc) of rows q [M, D_PAD].
 
@@ -76,13 +76,22 @@ def attend_tiles(
     Scores are in log2 units (qk_scale = scale * log2(e)). Rows that see no key keep m_i = -inf, l_i = 0.
     MASKED=False is for tiles that every row sees whole: the mask would keep every score, so skipping it
     changes no bit (the kernels launch with FP fusion off so both variants round alike).
+    PAGES_PER_TILE > 0 (see `pages_per_tile`): tiles hold whole pages or lie inside one, so each tile loads its
+    PAGES_PER_TILE page ids once and spreads them over their positions, instead of one table load and page
+    division per position; 0 keeps the per-position lookup (any page size). Both read the same addresses.
     """
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     for t in range(t_start, t_end):
         pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
         pos_ok = pos < seq_len
-        page = tl.load(table_ptr + pos // PAGE_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        if PAGES_PER_TILE > 0:
+            RUN: tl.constexpr = BLOCK_N // PAGES_PER_TILE  # positions of the tile in each of its pages
+            idx = t * BLOCK_N // PAGE_SIZE + tl.arange(0, PAGES_PER_TILE)
+            pages = tl.load(table_ptr + idx, mask=idx * PAGE_SIZE < seq_len, other=0).to(tl.int64)
+            page = tl.reshape(tl.broadcast_to(pages[:, None], [PAGES_PER_TILE, RUN]), [BLOCK_N])
+        else:
+            page = tl.load(table_ptr + pos // PAGE_SIZE, mask=pos_ok, other=0).to(tl.int64)
         offset = pos % PAGE_SIZE
         k = tl.load(k_cache_ptr + page[None, :] * stride_kp + offset[None, :] * stride_ks
                     + kv_head * stride_kh + d[:, None], mask=d_ok[:, None] & pos_ok[None, :], other=0.0)
@@ -103,6 +112,14 @@ def attend_tiles(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return m_i, l_i, acc
+
+
+def pages_per_tile(page_size, block_n):
+    """Page ids per tile of block_n positions when page_size divides block_n (block_n // page_size) or
+    block_n divides page_size (1); 0 otherwise (page sizes that are not powers of two)."""
+    if block_n % page_size == 0:
+        return block_n // page_size
+    return 1 if page_size % block_n == 0 else 0
 
 
 def precision_for(dtype):

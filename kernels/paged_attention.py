@@ -121,20 +121,21 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     table = block_tables_ptr + s.to(tl.int64) * stride_bt
+    # Per-position page lookup (PAGES_PER_TILE 0): the per-tile one was only measured for split-KV decode.
     m_i, l_i, acc = attend_tiles(
         q, q_pos, m_i, l_i, acc, t_start, full_lo, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
         kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
-        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True,
+        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True, 0,
     )
     m_i, l_i, acc = attend_tiles(
         q, q_pos, m_i, l_i, acc, full_lo, full_hi, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
         kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
-        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, False,
+        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, False, 0,
     )
     m_i, l_i, acc = attend_tiles(
         q, q_pos, m_i, l_i, acc, full_hi, t_end, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
         kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
-        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True,
+        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True, 0,
     )
     # Padding rows see no key (l_i = 0); only they would divide by zero, and they are not stored.
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

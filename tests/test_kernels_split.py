@@ -30,11 +30,16 @@ def _decode(fn, cache, q, scale, window, **kw):
          dtype=torch.float32, seed=0)
 @example(heads=(4, 1), head_dim=80, page_size=1, seq_lens=[200], split_size=64, window=10, dtype=torch.float16,
          seed=1)
+@example(heads=(4, 1), head_dim=256, page_size=64, seq_lens=[150, 33], split_size=64, window=None,
+         dtype=torch.float32, seed=2)
+@example(heads=(14, 2), head_dim=64, page_size=32, seq_lens=[129, 300], split_size=128, window=70,
+         dtype=torch.float16, seed=3)
 @MORE
 def test_split_kv_decode_matches_reference_and_single_pass(
         heads, head_dim, page_size, seq_lens, split_size, window, dtype, seed, device):
-    """Pinned: a split ending exactly at the sequence end, a one-token sequence, and a window that leaves
-    the first splits empty."""
+    """Pinned: a split ending exactly at the sequence end, a one-token sequence, a window that leaves
+    the first splits empty, and both per-tile page lookups (a page spanning two 32-key tiles; two pages
+    per 64-key tile); page sizes that are not powers of two take the per-position lookup."""
     num_heads, num_kv_heads = heads
     gen = torch.Generator().manual_seed(seed)
     cache = paginate([random_kv(n, num_kv_heads, head_dim, dtype, gen, device) for n in seq_lens], page_size, gen)
@@ -116,3 +121,7 @@ def test_split_kv_decode_rejects_split_size_off_the_tile_grid():
     with pytest.raises(ValueError, match="q has 2 rows but seq_lens has 1"):
         split_kv_decode(torch.randn(2, 2, 64), cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens,
                         0.125)
+    many = 65536  # one past the launch grid's limit on sequences
+    with pytest.raises(ValueError, match="at most 65535 sequences per call, got 65536"):
+        split_kv_decode(torch.randn(many, 1, 64), cache.k_cache, cache.v_cache,
+                        torch.zeros(many, 1, dtype=torch.int32), torch.ones(many, dtype=torch.int32), 0.125)
