@@ -16,8 +16,16 @@ if not torch.cuda.is_available():
     torch.set_num_threads(1)
 
 
-def _key(family: str, overrides: dict) -> tuple:
-    return family, repr(sorted(overrides.items()))
+def _per_checkpoint(load):
+    """get(family, **overrides) -> load(tiny checkpoint), loaded once per (family, overrides) per session."""
+    cache = {}
+
+    def get(family: str, **overrides):
+        key = family, repr(sorted(overrides.items()))
+        if key not in cache:
+            cache[key] = load(tiny_checkpoint(family, **overrides))
+        return cache[key]
+    return get
 
 
 @pytest.fixture(scope="session")
@@ -41,14 +49,7 @@ def reference_engine():
     """reference_engine(family, **overrides) -> a float32 CPU reference.Engine, loaded once per session."""
     from reference import Engine
 
-    cache = {}
-
-    def get(family: str, **overrides):
-        key = _key(family, overrides)
-        if key not in cache:
-            cache[key] = Engine(tiny_checkpoint(family, **overrides), dtype="float32", device="cpu")
-        return cache[key]
-    return get
+    return _per_checkpoint(lambda path: Engine(path, dtype="float32", device="cpu"))
 
 
 @pytest.fixture(scope="session")
@@ -56,15 +57,8 @@ def hf_model():
     """hf_model(family, **overrides) -> HF transformers' model of the same checkpoint, eager, float32."""
     from transformers import AutoModelForCausalLM
 
-    cache = {}
-
-    def get(family: str, **overrides):
-        key = _key(family, overrides)
-        if key not in cache:
-            cache[key] = AutoModelForCausalLM.from_pretrained(
-                tiny_checkpoint(family, **overrides), attn_implementation="eager", dtype=torch.float32).eval()
-        return cache[key]
-    return get
+    return _per_checkpoint(lambda path: AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager", dtype=torch.float32).eval())
 
 
 @pytest.fixture(scope="session")
