@@ -5,7 +5,6 @@ model code, so a compute bug cannot hide in a shared module.
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,13 +13,9 @@ import torch
 from chunkwise.checkpoints import resolve_model
 from chunkwise.config import ModelConfig
 from chunkwise.sampling import SamplingParams
-from chunkwise.tokenizer import as_prompt_list, encode_prompts, load_tokenizer
+from chunkwise.tokenizer import encode_prompts, is_int, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 @dataclass
@@ -64,7 +59,7 @@ class Request:
 def prepare_requests(ckpt: Checkpoint, prompts, sampling_params=None, chunk_sizes=None) -> list[Request]:
     """Validated requests for a batch: every prompt, sampling params and chunking is checked before any
     engine touches one, so a bad request raises ValueError (naming the prompt index) and disturbs nothing."""
-    ids = encode_prompts(as_prompt_list(prompts), ckpt.tokenizer, ckpt.config)
+    ids = encode_prompts(prompts, ckpt.tokenizer, ckpt.config)
     n = len(ids)
     params = per_prompt(sampling_params, n, "sampling_params", lambda v: v is None or isinstance(v, SamplingParams))
     if n == 1 and isinstance(chunk_sizes, (list, tuple)) and chunk_sizes and all(is_int(c) for c in chunk_sizes):

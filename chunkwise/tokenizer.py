@@ -22,12 +22,13 @@ def load_tokenizer(ckpt_dir: str | Path):
     return AutoTokenizer.from_pretrained(str(ckpt_dir))
 
 
+def is_int(x) -> bool:
+    """An integer that is not a bool (True is not a token id, a chunk size or a page size)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def _is_token_list(x) -> bool:
-    return isinstance(x, (list, tuple)) and len(x) > 0 and all(_is_int(t) for t in x)
-
-
-def _is_int(t) -> bool:
-    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(is_int(t) for t in x)
 
 
 def as_prompt_list(prompts) -> list:
@@ -62,7 +63,7 @@ def encode_prompts(prompts, tokenizer, cfg: ModelConfig) -> list[list[int]]:
         if not ids:
             raise ValueError(f"prompt {i} is empty")
         for t in ids:
-            if not _is_int(t):
+            if not is_int(t):
                 raise ValueError(f"prompt {i} holds {t!r}, which is not an integer token id")
             if not 0 <= int(t) < cfg.vocab_size:
                 raise ValueError(f"prompt {i} holds token id {t!r}, outside the vocabulary [0, {cfg.vocab_size})")
