@@ -28,10 +28,15 @@ def split_tile_config(head_dim, group):
     return max(16, triton.next_power_of_2(group)), block_n, 4, 2
 
 
-def _check_split(split_size, head_dim, group):
-    block_n = split_tile_config(head_dim, group)[1]
+def _check(q, k_cache, v_cache, block_tables, seq_lens, sliding_window, split_size):
+    """The argument checks of `split_kv_decode` and its reference, in one place."""
+    check_cache(q, k_cache, v_cache, block_tables, seq_lens)
+    check_window(sliding_window)
+    block_n = split_tile_config(q.shape[2], q.shape[1] // k_cache.shape[2])[1]
     if not isinstance(split_size, int) or split_size < 1 or split_size % block_n:
         raise ValueError(f"split_size must be a positive multiple of {block_n}, got {split_size!r}")
+    if q.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} rows but seq_lens has {seq_lens.shape[0]}: one decode per sequence")
 
 
 def merge_splits_ref(partial_out, partial_lse, out):
@@ -114,9 +119,7 @@ def split_kv_partials_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sl
 def split_kv_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None,
                         split_size=DEFAULT_SPLIT_SIZE, out=None):
     """PyTorch twin of `split_kv_decode`: reference partials, then the reference merge."""
-    check_cache(q, k_cache, v_cache, block_tables, seq_lens)
-    check_window(sliding_window)
-    _check_split(split_size, q.shape[2], q.shape[1] // k_cache.shape[2])
+    _check(q, k_cache, v_cache, block_tables, seq_lens, sliding_window, split_size)
     out = torch.empty_like(q) if out is None else out
     partials = split_kv_partials_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, split_size)
     return merge_splits_ref(*partials, out)
@@ -169,13 +172,9 @@ def _split_kernel(
 def split_kv_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None,
                     split_size=DEFAULT_SPLIT_SIZE, out=None):
     """Decode attention with the KV split every split_size positions, then merged; returns out."""
-    check_cache(q, k_cache, v_cache, block_tables, seq_lens)
-    check_window(sliding_window)
+    _check(q, k_cache, v_cache, block_tables, seq_lens, sliding_window, split_size)
     num_seqs, num_heads, head_dim = q.shape
     group = num_heads // k_cache.shape[2]
-    _check_split(split_size, head_dim, group)
-    if num_seqs != seq_lens.shape[0]:
-        raise ValueError(f"q has {num_seqs} rows but seq_lens has {seq_lens.shape[0]}: one decode per sequence")
     if num_seqs > 65535:  # sequences are the launch grid's second axis, which CUDA caps at 65535
         raise ValueError(f"split_kv_decode serves at most 65535 sequences per call, got {num_seqs}")
     out = torch.empty_like(q) if out is None else out

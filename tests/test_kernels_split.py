@@ -118,9 +118,9 @@ def test_split_kv_decode_rejects_split_size_off_the_tile_grid():
     for fn in (split_kv_decode, split_kv_decode_ref):
         with pytest.raises(ValueError, match="split_size must be a positive multiple of 64, got 100"):
             fn(q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, 0.125, split_size=100)
-    with pytest.raises(ValueError, match="q has 2 rows but seq_lens has 1"):
-        split_kv_decode(torch.randn(2, 2, 64), cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens,
-                        0.125)
+    for fn in (split_kv_decode, split_kv_decode_ref):
+        with pytest.raises(ValueError, match="q has 2 rows but seq_lens has 1"):
+            fn(torch.randn(2, 2, 64), cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, 0.125)
     many = 65536  # one past the launch grid's limit on sequences
     with pytest.raises(ValueError, match="at most 65535 sequences per call, got 65536"):
         split_kv_decode(torch.randn(many, 1, 64), cache.k_cache, cache.v_cache,
