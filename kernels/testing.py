@@ -8,6 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
+# The dtypes the interpreter tests run, and their tolerances against the float32 references: fp32 differs only
+# by exp2-vs-exp rounding; fp16 rounds P to fp16 before the PV product and the output to fp16 (2^-11 relative
+# each).
+DTYPES = [torch.float32, torch.float16]
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
 
 @dataclass
 class PagedKV:

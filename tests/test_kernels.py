@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kernels import paged_attention, paged_attention_ref, store_kv, store_kv_ref
 from kernels.store_kv import store_block_tokens
-from kernels.testing import paginate, query_start_loc, random_kv
+from kernels.testing import DTYPES, TOLERANCE, paginate, query_start_loc, random_kv
 
 pytestmark = pytest.mark.correctness
 # The properties worth most examples get three times the profile's count (ci: 30, thorough: 900).
@@ -19,10 +19,6 @@ MORE = settings(max_examples=3 * settings.default.max_examples)
 # (num_heads, num_kv_heads): MHA, GQA (incl. Qwen2.5-0.5B's 14/2), MQA (incl. an odd group of 5).
 HEADS = [(4, 4), (8, 2), (14, 2), (4, 1), (5, 1), (6, 3)]
 HEAD_DIMS = [64, 64, 80, 96, 128, 256]
-DTYPES = [torch.float32, torch.float16]
-# Tolerances against the float32 reference: fp32 differs only by exp2-vs-exp rounding; fp16 rounds P to
-# fp16 before the PV product and the output to fp16 (2^-11 relative each).
-TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 
 
 @given(page_size=st.integers(1, 64), num_kv_heads=st.integers(1, 4), head_dim=st.sampled_from(HEAD_DIMS),

@@ -7,15 +7,13 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kernels import merge_splits, merge_splits_ref, paged_attention, split_kv_decode, split_kv_decode_ref
-from kernels.testing import paginate, query_start_loc, random_kv
+from kernels.testing import DTYPES, TOLERANCE, paginate, query_start_loc, random_kv
 
 pytestmark = pytest.mark.correctness
 # The properties worth most examples get three times the profile's count (ci: 30, thorough: 900).
 MORE = settings(max_examples=3 * settings.default.max_examples)
 
 HEADS = [(4, 4), (8, 2), (14, 2), (4, 1), (5, 1)]
-DTYPES = [torch.float32, torch.float16]
-TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 
 
 def _decode(fn, cache, q, scale, window, **kw):
