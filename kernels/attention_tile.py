@@ -72,6 +72,7 @@ def attend_tiles(
 ):
     """Fold KV tiles t_start..t_end-1 into the online-softmax state (m_i, l_i, acc) of rows q [M, D_PAD].
 
+    Positions >= seq_len are neither loaded nor seen: split-KV passes its split's end there, not the sequence's.
     PAGE_SIZE is a compile-time constant so the per-position page lookup divides by a constant.
     Scores are in log2 units (qk_scale = scale * log2(e)). Rows that see no key keep m_i = -inf, l_i = 0.
     MASKED=False is for tiles that every row sees whole: the mask would keep every score, so skipping it

@@ -108,7 +108,8 @@ def split_kv_partials_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sl
         q_pos = torch.tensor([seq_len - 1], device=q.device)
         for j in range(math.ceil(seq_len / split_size)):
             lo = j * split_size
-            # Keys outside the split are masked by placing the query before them: shift positions instead.
+            # Only the split's keys, with positions shifted by lo so the causal and window masks still compare
+            # the same (relative) positions as on the whole sequence.
             o, lse = attend_ref(q[s:s + 1], k[lo:lo + split_size], v[lo:lo + split_size], q_pos - lo, scale,
                                 sliding_window)
             partial_out[s, :, j] = o[0]
