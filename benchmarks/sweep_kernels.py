@@ -42,7 +42,9 @@ def main():
         if not case.decode:
             continue
         for block_n, warps, stages, split_size in SPLIT:
-            sk.split_tile_config = lambda head_dim, group, c=(block_n, warps, stages): (16, *c)
+            # BLOCK_H stays the default's (the group's heads padded for tl.dot); the rest is swept.
+            sk.split_tile_config = lambda head_dim, group, c=(block_n, warps, stages): (
+                default_split(head_dim, group)[0], *c)
             q, args = t["q"], (t["k_cache"], t["v_cache"], t["block_tables"], t["seq_lens"], SCALE)
             fn = lambda: sk.split_kv_decode(q, *args, split_size=split_size)  # noqa: E731
             diff = (fn().float() - reference.float()).abs().max().item()
