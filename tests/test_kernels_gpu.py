@@ -28,12 +28,12 @@ def _attend(fn, cache, q, q_lens, seq_lens, scale, window=None):
               scale, sliding_window=window, out=torch.full_like(q, float("nan")))
 
 
-def _mixed_batch(num_heads, num_kv_heads, head_dim, dtype, seqs, page_size, seed, extra=()):
+def _mixed_batch(num_heads, num_kv_heads, head_dim, dtype, seqs, page_size, seed):
     gen = torch.Generator().manual_seed(seed)
     kvs = [random_kv(p + c, num_kv_heads, head_dim, dtype, gen, "cuda") for p, c in seqs]
-    cache = paginate([*extra, *kvs], page_size, gen)
+    cache = paginate(kvs, page_size, gen)
     q = torch.randn(sum(c for _, c in seqs), num_heads, head_dim, generator=gen).to(dtype).cuda()
-    return cache, q, [c for _, c in seqs], [p + c for p, c in seqs], kvs
+    return cache, q, [c for _, c in seqs], [p + c for p, c in seqs]
 
 
 # (cached prefix, new tokens): a 2048-token chunk after 4096 cached, a 1024 chunk after 1024, a fresh
@@ -43,7 +43,7 @@ MIXED = [(4096, 2048), (1024, 1024), (0, 777)] + [(100 * i + 37, 1) for i in ran
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mixed_batch_matches_reference_32q_8kv_d128(dtype):
-    cache, q, q_lens, seq_lens, _ = _mixed_batch(32, 8, 128, dtype, MIXED, 16, seed=0)
+    cache, q, q_lens, seq_lens = _mixed_batch(32, 8, 128, dtype, MIXED, 16, seed=0)
     out = _attend(paged_attention, cache, q, q_lens, seq_lens, 128 ** -0.5)
     ref = _attend(paged_attention_ref, cache, q.float(), q_lens, seq_lens, 128 ** -0.5)
     assert _rel_err(out, ref) < REL_BOUND[dtype]
@@ -53,7 +53,7 @@ def test_mixed_batch_matches_reference_32q_8kv_d128(dtype):
 @pytest.mark.parametrize("window", [None, 512])
 def test_mixed_batch_matches_reference_4q_1kv_d256(dtype, window):
     seqs = [(3000, 1500), (0, 600)] + [(97 * i + 5, 1) for i in range(20)]
-    cache, q, q_lens, seq_lens, _ = _mixed_batch(4, 1, 256, dtype, seqs, 16, seed=1)
+    cache, q, q_lens, seq_lens = _mixed_batch(4, 1, 256, dtype, seqs, 16, seed=1)
     out = _attend(paged_attention, cache, q, q_lens, seq_lens, 256 ** -0.5, window)
     ref = _attend(paged_attention_ref, cache, q.float(), q_lens, seq_lens, 256 ** -0.5, window)
     assert _rel_err(out, ref) < REL_BOUND[dtype]
