@@ -61,7 +61,7 @@ def build(case, gen):
                 qsl=query_start_loc([c for _, c in case.seqs], "cuda"))
 
 
-def ours(case, t, path):
+def ours(t, path):
     out = torch.empty_like(t["q"])
     if path == "split":
         return lambda: split_kv_decode(t["q"], t["k_cache"], t["v_cache"], t["block_tables"], t["seq_lens"],
@@ -112,7 +112,7 @@ _SDPA_MS: dict[str, float] = {}
 def test_kernel_vs_sdpa(benchmark, case, path):
     gen = torch.Generator(device="cuda").manual_seed(0)
     tensors = build(case, gen)
-    fn = ours(case, tensors, path)
+    fn = ours(tensors, path)
     baseline = sdpa(case, tensors)
     # Same function as the baseline, or the ratio means nothing (bf16: a loose bound on the max difference).
     expected = baseline().transpose(1, 2).reshape(fn().shape)

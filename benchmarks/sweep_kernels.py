@@ -30,10 +30,10 @@ def main():
         t = build(case, torch.Generator(device="cuda").manual_seed(0))
         nbytes, flops = work(case)
         pa.tile_config = default_paged
-        reference = ours(case, t, "paged")().clone()
+        reference = ours(t, "paged")().clone()
         for cfg in PAGED:
             pa.tile_config = lambda head_dim, group, dtype, cfg=cfg: cfg
-            fn = ours(case, t, "paged")
+            fn = ours(t, "paged")
             diff = (fn().float() - reference.float()).abs().max().item()
             ms = median_ms(fn)
             print(f"| paged | {cfg} | {case.name} | {ms:.3f} | {nbytes / ms / 1e9:.2f} | {flops / ms / 1e9:.1f} "
