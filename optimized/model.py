@@ -61,8 +61,12 @@ class Model:
         self.final_norm = weights["model.norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
         self.layers = [self._layer_weights(weights, i) for i in range(cfg.num_layers)]
-        device = self.embed.device
-        self.inv_freq = [cfg.rope_for(i).inv_freq(cfg.head_dim).to(device) for i in range(cfg.num_layers)]
+        # RoPE depends only on the positions and the layer's RoPE config: one inv_freq per distinct config
+        # (e.g. Gemma's local/global), and cos/sin built once per step for each, not once per layer.
+        ropes = [cfg.rope_for(i) for i in range(cfg.num_layers)]
+        distinct = list(dict.fromkeys(ropes))
+        self.rope_index = [distinct.index(r) for r in ropes]
+        self.inv_freqs = [r.inv_freq(cfg.head_dim).to(self.embed.device) for r in distinct]
         self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=self.embed.dtype)
                             if cfg.embed_scale is not None else None)
 
@@ -95,15 +99,23 @@ class Model:
         x = F.embedding(inp.input_ids, self.embed)
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        rope = [self._cos_sin(inp.positions, inv_freq, x.dtype) for inv_freq in self.inv_freqs]
         for i, lw in enumerate(self.layers):
-            x = self._layer(i, lw, x, inp, kv_caches[i])
+            x = self._layer(i, lw, x, inp, kv_caches[i], rope[self.rope_index[i]])
         x = x[inp.logits_indices]
         logits = (self._norm(x, self.final_norm) @ self.lm_head.t()).float()
         cap = self.cfg.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 
-    def _layer(self, i: int, lw: dict, x: torch.Tensor, inp: StepInputs, kv) -> torch.Tensor:
-        h = self._attention(i, lw, self._norm(x, lw["input_norm"]), inp, kv)
+    @staticmethod
+    def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+        """cos, sin [T, head_dim] in dtype for half-split RoPE at the given positions."""
+        freqs = positions[:, None].float() * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _layer(self, i: int, lw: dict, x: torch.Tensor, inp: StepInputs, kv, rope) -> torch.Tensor:
+        h = self._attention(i, lw, self._norm(x, lw["input_norm"]), inp, kv, rope)
         if self.cfg.sandwich_norms:
             x = x + self._norm(h, lw["post_attn_norm"])
             h = self._mlp(lw, self._norm(x, lw["pre_ff_norm"]))
@@ -116,7 +128,7 @@ class Model:
         act = F.silu(gate) if self.cfg.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
         return (act * up) @ lw["down"].t()
 
-    def _attention(self, i: int, lw: dict, x: torch.Tensor, inp: StepInputs, kv) -> torch.Tensor:
+    def _attention(self, i: int, lw: dict, x: torch.Tensor, inp: StepInputs, kv, rope) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]
         qkv = x @ lw["qkv"].t()
         if "qkv_bias" in lw:
@@ -127,9 +139,7 @@ class Model:
         v = qkv[:, q_size + kv_size:].reshape(t, cfg.num_kv_heads, cfg.head_dim).contiguous()
         if cfg.qk_norm:
             q, k = self._norm(q, lw["q_norm"]), self._norm(k, lw["k_norm"])
-        freqs = inp.positions[:, None].float() * self.inv_freq[i][None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = rope
         q, k = apply_rope(q, cos, sin).contiguous(), apply_rope(k, cos, sin).contiguous()
 
         k_cache, v_cache = kv
