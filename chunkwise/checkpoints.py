@@ -3,24 +3,30 @@
 `tiny_checkpoint(family, seed, **overrides)` builds `XConfig(...)`, instantiates the model with
 `AutoModelForCausalLM.from_config` under a fixed seed and saves it with `save_pretrained`, so the tensor
 names and layouts come from transformers, not from this project. Directories are cached under
-$CHUNKWISE_CACHE (default ~/.cache/chunkwise), keyed by a hash of the arguments.
+$CHUNKWISE_CACHE (default ~/.cache/chunkwise), keyed by a hash of the arguments, through `cached_dir`
+(the one build-once-and-rename logic, shared with the real checkpoints).
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 TINY_NAMES = {"tiny-llama": "llama", "tiny-mistral": "mistral", "tiny-qwen2": "qwen2",
               "tiny-qwen3": "qwen3", "tiny-gemma3": "gemma3_text"}
 REAL_NAMES = ("gemma3-270m", "qwen2.5-coder-0.5b")
 FAMILY_ALIASES = {"gemma3": "gemma3_text"}
 
-# Bump when the factory's defaults change, so stale cached directories are not reused.
-_FACTORY_VERSION = 1
+# Bump when the factory's defaults or output change, so stale cached directories are not reused.
+# (2: directories are built through cached_dir, with its marker file.)
+_FACTORY_VERSION = 2
+MARKER = "COMPLETE"
 
 _COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
@@ -70,20 +76,47 @@ def tiny_checkpoint(family: str, seed: int = 0, cache_dir: str | Path | None = N
     key = json.dumps({"v": _FACTORY_VERSION, "family": family, "seed": seed, "config": kw}, sort_keys=True)
     root = Path(cache_dir) if cache_dir is not None else cache_root() / "tiny"
     path = root / f"{family}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    if (path / "config.json").is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Written into a temporary sibling and renamed, so a concurrent reader never sees half a checkpoint.
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=path.name + ".tmp"))
-    try:
-        _write_tiny(family, seed, kw, tmp)
-        os.replace(tmp, path)
-    except OSError:
-        if not (path / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return cached_dir(path, key, lambda out: _write_tiny(family, seed, kw, out))
+
+
+def cached_dir(target: Path, key: str, build: Callable[[Path], None]) -> Path:
+    """`target`, built by `build(tmp_dir)` unless it already holds a marker reading `key`.
+
+    One process builds at a time (a lock file beside `target`); the build goes to a temporary sibling that
+    gets the marker last and is then renamed over any stale or half-written `target`.
+    """
+    if _complete(target, key):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(target.parent / f".{target.name}.lock"):
+        if _complete(target, key):  # another process finished it while we waited
+            return target
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp"))
+        tmp.chmod(0o755)  # mkdtemp's 0700 would keep the cache private to one user
+        try:
+            build(tmp)
+            (tmp / MARKER).write_text(key)
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _complete(target: Path, key: str) -> bool:
+    marker = target / MARKER
+    return marker.is_file() and marker.read_text() == key
+
+
+@contextmanager
+def _locked(path: Path):
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _write_tiny(family: str, seed: int, kw: dict, out: Path) -> None:

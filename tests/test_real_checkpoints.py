@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from chunkwise.checkpoints import resolve_model
+from chunkwise.checkpoints import MARKER, cached_dir, resolve_model
 from chunkwise.config import ModelConfig
-from chunkwise.real_checkpoints import (CHECKPOINTS, MARKER, Part, RealCheckpoint, assemble, cached_dir,
-                                        checkpoint, part_paths, prepare)
+from chunkwise.real_checkpoints import CHECKPOINTS, Part, RealCheckpoint, assemble, checkpoint, part_paths, prepare
 from chunkwise.sampling import SamplingParams
 
 pytestmark = [pytest.mark.realmodel, pytest.mark.correctness]
