@@ -61,10 +61,8 @@ class Engine:
         """Validated sequences for a batch of prompts (nothing is scheduled yet)."""
         seqs = [Sequence(-1, r.prompt_token_ids, r.params, r.chunk_sizes)
                 for r in prepare_requests(self.checkpoint, prompts, sampling_params, chunk_sizes)]
-        most = max(s.num_prompt_tokens + s.sampling_params.max_tokens - 1 for s in seqs)
-        if self.block_manager.pages_needed(most) > self.block_manager.num_pages:
-            raise ValueError(f"a request needs {self.block_manager.pages_needed(most)} pages of {self.page_size} "
-                             f"tokens; the pool has {self.block_manager.num_pages}")
+        for seq in seqs:   # the scheduler's own check, for the whole batch before any of it is added
+            self.scheduler.check_fits(seq)
         return seqs
 
     def _submit(self, seq: Sequence) -> int:

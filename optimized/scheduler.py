@@ -86,6 +86,12 @@ class Scheduler:
         if seq.status is not SequenceStatus.WAITING or seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} is {seq.status.name} with pages {seq.block_table}; "
                              f"only a new sequence can be added")
+        self.check_fits(seq)
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def check_fits(self, seq: Sequence) -> None:
+        """ValueError if seq at its longest could not fit the whole page pool."""
         # The last sampled token is never computed, so the cache holds at most prompt + max_tokens - 1.
         most = seq.num_prompt_tokens + seq.sampling_params.max_tokens - 1
         bm = self.block_manager
@@ -93,8 +99,6 @@ class Scheduler:
             raise ValueError(f"sequence {seq.seq_id}: {seq.num_prompt_tokens} prompt tokens + max_tokens "
                              f"{seq.sampling_params.max_tokens} need {bm.pages_needed(most)} pages of "
                              f"{bm.page_size}, the pool has {bm.num_pages}")
-        self.seqs[seq.seq_id] = seq
-        self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
