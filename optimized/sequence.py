@@ -4,7 +4,9 @@ from __future__ import annotations
 import enum
 import itertools
 
+from chunkwise.requests import expand_chunk_sizes
 from chunkwise.sampling import SamplingParams
+from chunkwise.tokenizer import is_int
 
 _arrivals = itertools.count()
 
@@ -28,16 +30,10 @@ class Sequence:
         if not prompt_token_ids:
             raise ValueError(f"sequence {seq_id}: empty prompt")
         for i, t in enumerate(prompt_token_ids):
-            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            if not is_int(t) or t < 0:
                 raise ValueError(f"sequence {seq_id}: prompt token {i} is {t!r}, not a token id (an int >= 0)")
-        if chunk_sizes is not None:
-            chunk_sizes = list(chunk_sizes)
-            for c in chunk_sizes:
-                if not isinstance(c, int) or isinstance(c, bool) or c < 1:
-                    raise ValueError(f"sequence {seq_id}: chunk size {c!r} is not an integer >= 1")
-            if sum(chunk_sizes) != len(prompt_token_ids):
-                raise ValueError(f"sequence {seq_id}: chunk sizes {chunk_sizes} sum to {sum(chunk_sizes)}, "
-                                 f"not the prompt length {len(prompt_token_ids)}")
+        if chunk_sizes is not None:   # the requests' own check (an explicit list here)
+            chunk_sizes = expand_chunk_sizes(list(chunk_sizes), len(prompt_token_ids), seq_id)
         self.seq_id = seq_id
         self.arrival = next(_arrivals)    # order of creation: "newest" for preemption is the largest
         self.prompt_token_ids = prompt_token_ids
