@@ -28,7 +28,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool) 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotary embedding, half-split convention: x [heads, T, D], positions [T], inv_freq [D/2] float32."""
-    angles = positions.float()[:, None] * inv_freq[None, :].to(x.device)       # [T, D/2]
+    angles = positions.float()[:, None] * inv_freq[None, :]                    # [T, D/2]
     angles = torch.cat([angles, angles], dim=-1)                               # [T, D]
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     first, second = x.chunk(2, dim=-1)
@@ -50,7 +50,8 @@ class ReferenceModel:
         self.cfg = cfg
         self.w = weights
         self.dtype = weights["model.embed_tokens.weight"].dtype
-        self.inv_freq = {kind: rope.inv_freq(cfg.head_dim) for kind, rope in cfg.rope.items()}
+        device = weights["model.embed_tokens.weight"].device
+        self.inv_freq = {kind: rope.inv_freq(cfg.head_dim).to(device) for kind, rope in cfg.rope.items()}
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return rms_norm(x, self.w[name], self.cfg.rms_norm_eps, self.cfg.norm_plus_one)
