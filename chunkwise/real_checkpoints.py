@@ -137,13 +137,13 @@ def _build(ckpt: RealCheckpoint, out: Path) -> None:
 def convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantise `gguf` with transformers and write an HF checkpoint (float32) into `out`."""
     try:
-        import gguf as _  # noqa: F401  (transformers' GGUF reader)
+        import gguf as gguf_reader  # transformers' GGUF reader
         import torch
         from safetensors.torch import save_file
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:
         raise ImportError(f"converting a GGUF checkpoint needs {e.name}; {_INSTALL_HINT}") from None
-    with _gguf_parsed_once():
+    with _gguf_parsed_once(gguf_reader):
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     state = model.state_dict()
@@ -157,15 +157,13 @@ def convert_gguf(gguf: Path, out: Path) -> None:
 
 
 @contextmanager
-def _gguf_parsed_once():
+def _gguf_parsed_once(gguf_module):
     """Share one GGUFReader per file while converting.
 
     transformers parses the GGUF's metadata anew for the config, the weights and the tokenizer, and
     parsing the 150k-260k vocabulary strings is most of the conversion time (measured: half of it).
     The reader only memory-maps the file read-only, so sharing it changes nothing but the time.
     """
-    import gguf as gguf_module
-
     original, readers = gguf_module.GGUFReader, {}
 
     def shared_reader(path, *args, **kw):
