@@ -12,24 +12,14 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from optimized.block_manager import BlockManager
+from optimized.page_pool import PagePool
 from optimized.sequence import Sequence, SequenceStatus
 
 
 @dataclass
-class SchedulerConfig:
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-
-    def __post_init__(self):
-        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}")
-        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
-
-
-@dataclass
 class ScheduledBatch:
+    """The step record: who computes how many tokens and who samples. The runner, the sampler and
+    postprocess all read it; nothing downstream decides these again."""
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)   # computed this step from seq.num_computed_tokens
     preempted: list[Sequence] = field(default_factory=list)
@@ -71,9 +61,10 @@ class _Plan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids=()):
+    def __init__(self, config, page_pool: PagePool, eos_token_ids=()):
+        """`config`: the engine's EngineConfig (its max_num_batched_tokens and max_num_seqs are read)."""
         self.config = config
-        self.block_manager = block_manager
+        self.page_pool = page_pool
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []        # sorted by arrival: the newest is last
@@ -90,15 +81,15 @@ class Scheduler:
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
-    def check_fits(self, seq: Sequence) -> None:
-        """ValueError if seq at its longest could not fit the whole page pool."""
+    def check_fits(self, seq: Sequence, name: str | None = None) -> None:
+        """ValueError if seq at its longest could not fit the whole page pool; `name` says which request."""
         # The last sampled token is never computed, so the cache holds at most prompt + max_tokens - 1.
         most = seq.num_prompt_tokens + seq.sampling_params.max_tokens - 1
-        bm = self.block_manager
+        bm = self.page_pool
         if bm.pages_needed(most) > bm.num_pages:
-            raise ValueError(f"sequence {seq.seq_id}: {seq.num_prompt_tokens} prompt tokens + max_tokens "
-                             f"{seq.sampling_params.max_tokens} need {bm.pages_needed(most)} pages of "
-                             f"{bm.page_size}, the pool has {bm.num_pages}")
+            raise ValueError(f"{name or f'sequence {seq.seq_id}'}: {seq.num_prompt_tokens} prompt tokens + "
+                             f"max_tokens {seq.sampling_params.max_tokens} need {bm.pages_needed(most)} pages of "
+                             f"{bm.page_size} tokens, the pool has {bm.num_pages} (num_pages)")
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
@@ -128,14 +119,16 @@ class Scheduler:
             self._admit(plan)
         return plan.batch()
 
-    def _chunk(self, seq: Sequence, plan: _Plan) -> int:
-        """Tokens seq computes next: up to its next caller boundary, else what the budget leaves.
+    def _chunk(self, seq: Sequence, plan: _Plan, computed: int | None = None) -> int:
+        """Tokens seq computes next, from `computed` tokens (default: its own count): up to its next caller
+        boundary, else what the budget leaves.
 
         0: waits for a later step; -1: its oversized chunk must run alone, nothing more is scheduled now.
         """
-        if not seq.follows_chunk_sizes():
-            return min(seq.num_uncomputed_tokens, plan.budget)
-        want = seq.next_chunk_end() - seq.num_computed_tokens
+        computed = seq.num_computed_tokens if computed is None else computed
+        if not seq.follows_chunk_sizes(computed):
+            return min(seq.num_tokens - computed, plan.budget)
+        want = seq.next_chunk_end(computed) - computed
         if want <= plan.budget:
             return want
         if want > self.config.max_num_batched_tokens:
@@ -147,7 +140,7 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, n: int, plan: _Plan) -> bool:
         """Pages for n more tokens of running seq, preempting the newest running seqs; False if seq itself was."""
-        bm = self.block_manager
+        bm = self.page_pool
         while not bm.can_allocate(seq, n):
             victim = self.running[-1]
             self._preempt(victim, plan)
@@ -160,7 +153,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, plan: _Plan) -> None:
         self.running.remove(seq)
         plan.drop(seq)
-        self.block_manager.free(seq)
+        self.page_pool.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -175,18 +168,16 @@ class Scheduler:
                 return
 
     def _try_admit(self, seq: Sequence, plan: _Plan) -> bool:
-        bm = self.block_manager
-        cached_before = seq.num_cached_tokens
-        bm.match_prefix(seq)
-        n = self._chunk(seq, plan)
-        if n <= 0 or not bm.can_allocate(seq, n):
-            bm.free(seq)
-            seq.num_cached_tokens = cached_before
+        pool = self.page_pool
+        prefix = pool.probe_prefix(seq)
+        n = self._chunk(seq, plan, computed=len(prefix) * pool.page_size)
+        if n <= 0 or not pool.can_admit(prefix, n):
             return False
+        pool.take_prefix(seq, prefix)
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.arrival)
-        bm.allocate(seq, n)
+        pool.allocate(seq, n)
         plan.add(seq, n)
         return True
 
@@ -210,7 +201,7 @@ class Scheduler:
         finished = []
         for seq, n, samples in live:
             seq.num_computed_tokens += n
-            self.block_manager.commit(seq)
+            self.page_pool.commit(seq)
             if not samples:
                 continue
             token = sampled[seq.seq_id]
@@ -234,14 +225,14 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        self.page_pool.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.seqs[seq.seq_id]
 
-    def abort(self, seq_id: int) -> Sequence | None:
+    def abort(self, seq_id: int, reason: str = "abort") -> Sequence | None:
         """Stop a sequence wherever it is and free its pages; None if no unfinished sequence has that id."""
         seq = self.seqs.get(seq_id)
         if seq is not None:
-            self._finish(seq, "abort")
+            self._finish(seq, reason)
         return seq

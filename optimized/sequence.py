@@ -47,6 +47,8 @@ class Sequence:
         self.page_hashes: list[bytes] = []   # hash-chain value of each full page of block_table, in order
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
+        self.logprobs: list[dict[int, float]] | None = None   # one dict per generated token, when asked for
+        self.error: str | None = None          # why the request failed (finish_reason "error")
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
@@ -76,19 +78,22 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def follows_chunk_sizes(self) -> bool:
-        """Whether the next step must end at one of the caller's chunk boundaries.
+    def follows_chunk_sizes(self, computed: int | None = None) -> bool:
+        """Whether the next step (from `computed` tokens, default num_computed_tokens) must end at one of
+        the caller's chunk boundaries.
 
         After a preemption the caller's chunks no longer apply: the recompute is split by the budget.
         """
-        return (self.chunk_sizes is not None and self.num_preemptions == 0
-                and self.num_computed_tokens < self.num_prompt_tokens)
+        computed = self.num_computed_tokens if computed is None else computed
+        return self.chunk_sizes is not None and self.num_preemptions == 0 and computed < self.num_prompt_tokens
 
-    def next_chunk_end(self) -> int:
-        """The first caller chunk boundary past num_computed_tokens (a prefix-cache hit may end mid-chunk)."""
+    def next_chunk_end(self, computed: int | None = None) -> int:
+        """The first caller chunk boundary past `computed` tokens (default num_computed_tokens; a
+        prefix-cache hit may end mid-chunk)."""
+        computed = self.num_computed_tokens if computed is None else computed
         end = 0
         for c in self.chunk_sizes:
             end += c
-            if end > self.num_computed_tokens:
+            if end > computed:
                 return end
-        raise ValueError(f"sequence {self.seq_id}: no chunk left after {self.num_computed_tokens} tokens")
+        raise ValueError(f"sequence {self.seq_id}: no chunk left after {computed} tokens")

@@ -5,13 +5,15 @@ exactly what it produces alone, whatever the batching, chunking, preemption or p
 shadow "K/V" per page slot (the token prefix it was computed from) catches a step that reads or writes
 the wrong page.
 """
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import event, example, given, note, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from chunkwise.sampling import SamplingParams
-from optimized.block_manager import BlockManager
-from optimized.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from optimized.page_pool import PagePool
+from optimized.scheduler import ScheduledBatch, Scheduler
 from optimized.sequence import Sequence, SequenceStatus
 
 pytestmark = pytest.mark.correctness
@@ -40,7 +42,7 @@ class Driver:
     """Runs the fake model over a scheduler's steps and checks each step's batch."""
 
     def __init__(self, sched: Scheduler):
-        self.sched, self.bm = sched, sched.block_manager
+        self.sched, self.bm = sched, sched.page_pool
         self.kv = {p: [None] * self.bm.page_size for p in range(self.bm.num_pages)}
         self.chunk_ends: dict[int, list[int]] = {}    # prefill step ends of seqs never preempted
         self.steps = 0
@@ -102,8 +104,10 @@ class Driver:
 
 
 def make(num_pages=64, page_size=4, budget=512, max_seqs=64, eos=()):
-    bm = BlockManager(num_pages, page_size)
-    return Scheduler(SchedulerConfig(budget, max_seqs), bm, eos_token_ids=eos)
+    bm = PagePool(num_pages, page_size)
+    # The scheduler reads these two fields of the engine's EngineConfig (validated there).
+    limits = SimpleNamespace(max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+    return Scheduler(limits, bm, eos_token_ids=eos)
 
 
 def assert_alone(seq, eos=()):
@@ -220,7 +224,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def pages_belong_to_running_sequences_only(self):
-        bm = self.sched.block_manager
+        bm = self.sched.page_pool
         refs = [0] * bm.num_pages
         for seq in self.sched.running:
             for p in seq.block_table:
@@ -348,10 +352,10 @@ def test_abort_frees_pages_and_leaves_other_requests_untouched():
     driver = Driver(sched)
     driver.step()
     driver.step()
-    used = sched.block_manager.num_pages - sched.block_manager.num_free_pages
+    used = sched.page_pool.num_pages - sched.page_pool.num_free_pages
     aborted = sched.abort(1)
     assert aborted is seqs[1] and aborted.finish_reason == "abort" and aborted.is_finished
-    assert sched.block_manager.num_pages - sched.block_manager.num_free_pages == used - 3
+    assert sched.page_pool.num_pages - sched.page_pool.num_free_pages == used - 3
     assert sched.abort(1) is None and sched.abort(99) is None
     driver.run()
     assert_alone(seqs[0])
@@ -406,10 +410,6 @@ def test_prefix_cache_hits_are_counted_per_request():
 
 
 def test_bad_inputs_raise_value_error_naming_the_value():
-    with pytest.raises(ValueError, match="max_num_batched_tokens.*0"):
-        SchedulerConfig(max_num_batched_tokens=0)
-    with pytest.raises(ValueError, match="max_num_seqs.*-1"):
-        SchedulerConfig(max_num_seqs=-1)
     with pytest.raises(ValueError, match="empty prompt"):
         Sequence(0, [])
     with pytest.raises(ValueError, match="-5"):

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import event, given, note, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import optimized.block_manager as block_manager_module
-from optimized.block_manager import BlockManager
+import optimized.page_pool as page_pool_module
+from optimized.page_pool import PagePool
 from optimized.sequence import Sequence
 
 pytestmark = pytest.mark.correctness
@@ -39,7 +39,7 @@ class PagePoolMachine(RuleBasedStateMachine):
 
     @initialize(page_size=st.integers(1, 5), num_pages=st.integers(1, 14))
     def setup(self, page_size, num_pages):
-        self.bm = BlockManager(num_pages, page_size)
+        self.bm = PagePool(num_pages, page_size)
         self.kv = {p: [None] * page_size for p in range(num_pages)}
         self.live: dict[int, Sequence] = {}
         self.pending: dict[int, int] = {}      # tokens allocated for a step not yet computed
@@ -185,7 +185,7 @@ def run_prompt(bm, seq_id, prompt):
 
 
 def test_identical_prompt_reuses_every_full_page_but_recomputes_the_last_token():
-    bm = BlockManager(8, 4)
+    bm = PagePool(8, 4)
     first = run_prompt(bm, 0, list(range(12)))
     bm.free(first)
     again = Sequence(1, list(range(12)))
@@ -194,14 +194,14 @@ def test_identical_prompt_reuses_every_full_page_but_recomputes_the_last_token()
 
 
 def test_a_page_is_reused_only_under_the_same_prefix():
-    bm = BlockManager(8, 2)
+    bm = PagePool(8, 2)
     run_prompt(bm, 0, [5, 6, 7, 8, 9])
     assert bm.match_prefix(Sequence(1, [0, 6, 7, 8, 9])) == 0      # same page (7, 8), other prefix
     assert bm.match_prefix(Sequence(2, [5, 6, 7, 0, 9])) == 2      # diverges in the second page
 
 
 def test_live_sequences_share_cached_pages_with_reference_counts():
-    bm = BlockManager(8, 2)
+    bm = PagePool(8, 2)
     a = run_prompt(bm, 0, [1, 2, 3, 4, 5])
     b = Sequence(1, [1, 2, 3, 4, 9])
     assert bm.match_prefix(b) == 4 and b.block_table == a.block_table[:2]
@@ -212,7 +212,7 @@ def test_live_sequences_share_cached_pages_with_reference_counts():
 
 
 def test_allocation_takes_free_pages_before_evicting_cached_ones():
-    bm = BlockManager(4, 1)
+    bm = PagePool(4, 1)
     bm.free(run_prompt(bm, 0, [1, 2]))
     bm.free(run_prompt(bm, 1, [7, 8]))           # fits in the two free pages: [1, 2] stays cached
     assert not bm.free_page_ids and len(bm.evictable) == 4
@@ -220,7 +220,7 @@ def test_allocation_takes_free_pages_before_evicting_cached_ones():
 
 
 def test_eviction_is_least_recently_used_and_tail_pages_go_first():
-    bm = BlockManager(4, 1)
+    bm = PagePool(4, 1)
     old = run_prompt(bm, 0, [1, 2])
     old_pages = list(old.block_table)
     bm.free(old)
@@ -234,7 +234,7 @@ def test_eviction_is_least_recently_used_and_tail_pages_go_first():
 
 
 def test_referenced_pages_are_never_evicted():
-    bm = BlockManager(3, 1)
+    bm = PagePool(3, 1)
     holder = run_prompt(bm, 0, [1, 2, 3])        # every page referenced
     assert bm.num_free_pages == 0 and not bm.can_allocate(Sequence(1, [4]), 1)
     with pytest.raises(ValueError, match="pages"):
@@ -243,15 +243,15 @@ def test_referenced_pages_are_never_evicted():
 
 
 def test_prefix_caching_off_never_reuses():
-    bm = BlockManager(8, 2, enable_prefix_caching=False)
+    bm = PagePool(8, 2, enable_prefix_caching=False)
     bm.free(run_prompt(bm, 0, [1, 2, 3, 4, 5]))
     assert bm.match_prefix(Sequence(1, [1, 2, 3, 4, 5])) == 0
     assert not bm.cached and bm.num_free_pages == 8
 
 
 def test_a_hash_collision_cannot_hand_out_another_prefix_pages(monkeypatch):
-    monkeypatch.setattr(block_manager_module, "page_hash", lambda parent, tokens: b"same")
-    bm = BlockManager(16, 2)
+    monkeypatch.setattr(page_pool_module, "page_hash", lambda parent, tokens: b"same")
+    bm = PagePool(16, 2)
     run_prompt(bm, 0, [1, 2, 3, 4, 5])
     assert bm.match_prefix(Sequence(1, [3, 4, 1, 2, 5])) == 0
     assert bm.match_prefix(Sequence(2, [1, 2, 1, 2, 5])) == 2
@@ -261,12 +261,12 @@ def test_a_hash_collision_cannot_hand_out_another_prefix_pages(monkeypatch):
 def test_bad_pool_sizes_raise_value_error(num_pages, page_size):
     bad = num_pages if not (isinstance(num_pages, int) and num_pages >= 1) else page_size
     with pytest.raises(ValueError, match=str(bad)):
-        BlockManager(num_pages, page_size)
+        PagePool(num_pages, page_size)
 
 
 @given(st.integers(1, 6), st.lists(st.integers(0, 3), min_size=1, max_size=30))
 def test_match_prefix_of_a_computed_prompt_takes_all_full_pages_before_the_last_token(page_size, prompt):
-    bm = BlockManager(64, page_size)
+    bm = PagePool(64, page_size)
     bm.free(run_prompt(bm, 0, prompt))
     again = Sequence(1, prompt)
     assert bm.match_prefix(again) == (len(prompt) - 1) // page_size * page_size

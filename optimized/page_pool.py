@@ -1,4 +1,4 @@
-"""The page pool: per-sequence block tables, reference counts, and the prefix cache of full pages.
+"""The page pool: per-sequence block tables (a sequence's list of page ids, the field's usual name), reference counts, and the prefix cache of full pages.
 
 A full page is cached under a hash chain over every token before it plus its own tokens, so a page is
 reused only under exactly the same prefix (DESIGN.md, lesson 2). The token ids and the parent hash are
@@ -32,7 +32,7 @@ class Page:
     token_ids: tuple[int, ...] = ()
 
 
-class BlockManager:
+class PagePool:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
         if not isinstance(num_pages, int) or num_pages < 1:
             raise ValueError(f"num_pages must be an integer >= 1, got {num_pages!r}")
@@ -54,37 +54,59 @@ class BlockManager:
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def match_prefix(self, seq: Sequence) -> int:
-        """Take the cached full pages that continue seq's hash chain; returns the tokens they hold.
+    def probe_prefix(self, seq: Sequence) -> list[tuple[int, bytes]]:
+        """The cached full pages (page id, hash) that continue seq's hash chain; changes nothing.
 
         The last token is never taken from the cache, so every admission computes at least one token
         (its logits give the next token).
         """
         if seq.block_table or seq.num_computed_tokens:
-            raise ValueError(f"sequence {seq.seq_id} already holds pages {seq.block_table}; match_prefix is "
-                             f"for admission only")
-        first_admission = seq.num_preemptions == 0
-        if self.enable_prefix_caching:
-            parent = b""
-            for i in range((seq.num_tokens - 1) // self.page_size):
-                tokens = tuple(seq.token_ids[i * self.page_size:(i + 1) * self.page_size])
-                h = page_hash(parent, tokens)
-                page_id = self.cached.get(h)
-                if page_id is None:
-                    break
-                page = self.pages[page_id]
-                if page.token_ids != tokens or page.parent_hash != parent:
-                    break
-                if page.ref_count == 0:
-                    del self.evictable[page_id]
-                page.ref_count += 1
-                seq.block_table.append(page_id)
-                seq.page_hashes.append(h)
-                parent = h
-        seq.num_computed_tokens = len(seq.block_table) * self.page_size
-        if first_admission:
+            raise ValueError(f"sequence {seq.seq_id} already holds pages {seq.block_table}; a prefix is "
+                             f"matched at admission only")
+        found: list[tuple[int, bytes]] = []
+        if not self.enable_prefix_caching:
+            return found
+        parent = b""
+        for i in range((seq.num_tokens - 1) // self.page_size):
+            tokens = tuple(seq.token_ids[i * self.page_size:(i + 1) * self.page_size])
+            h = page_hash(parent, tokens)
+            page_id = self.cached.get(h)
+            if page_id is None:
+                break
+            page = self.pages[page_id]
+            if page.token_ids != tokens or page.parent_hash != parent:
+                break
+            found.append((page_id, h))
+            parent = h
+        return found
+
+    def can_admit(self, prefix: list[tuple[int, bytes]], num_new_tokens: int) -> bool:
+        """Whether a sequence taking `prefix` (from probe_prefix) finds pages for num_new_tokens more."""
+        need = self.pages_needed(len(prefix) * self.page_size + num_new_tokens) - len(prefix)
+        taken_evictable = sum(1 for page_id, _ in prefix if self.pages[page_id].ref_count == 0)
+        return need <= self.num_free_pages - taken_evictable
+
+    def take_prefix(self, seq: Sequence, prefix: list[tuple[int, bytes]]) -> int:
+        """Give seq the probed prefix pages (shared, ref-counted); returns the tokens they hold."""
+        if seq.block_table or seq.num_computed_tokens:
+            raise ValueError(f"sequence {seq.seq_id} already holds pages {seq.block_table}")
+        for page_id, h in prefix:
+            page = self.pages[page_id]
+            if page.hash != h:
+                raise ValueError(f"page {page_id} no longer holds the probed prefix of sequence {seq.seq_id}")
+            if page.ref_count == 0:
+                del self.evictable[page_id]
+            page.ref_count += 1
+            seq.block_table.append(page_id)
+            seq.page_hashes.append(h)
+        seq.num_computed_tokens = len(prefix) * self.page_size
+        if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
         return seq.num_computed_tokens
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """probe_prefix then take_prefix: seq takes every cached page continuing its chain."""
+        return self.take_prefix(seq, self.probe_prefix(seq))
 
     def num_new_pages(self, seq: Sequence, num_new_tokens: int) -> int:
         if num_new_tokens < 0:
