@@ -6,47 +6,10 @@ model code, so a compute bug cannot hide in a shared module.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-import torch
-
-from chunkwise.checkpoints import resolve_model
 from chunkwise.config import ModelConfig
 from chunkwise.sampling import SamplingParams
-from chunkwise.tokenizer import encode_prompts, is_int, load_tokenizer
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class Checkpoint:
-    """What an engine opens: the checkpoint with its config and tokenizer, and the validated common args."""
-    path: Path
-    config: ModelConfig
-    tokenizer: object | None
-    dtype: torch.dtype
-    device: torch.device
-    max_model_len: int
-
-
-def open_checkpoint(model, dtype, device, page_size, max_model_len) -> Checkpoint:
-    if not is_int(page_size) or page_size < 1:
-        raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not supported; expected one of {sorted(DTYPES)}")
-        dtype = DTYPES[dtype]
-    elif dtype not in DTYPES.values():
-        raise ValueError(f"dtype {dtype!r} is not supported; expected one of {sorted(DTYPES)}")
-    path = resolve_model(model)
-    config = ModelConfig.from_dir(path)
-    limit = config.max_position_embeddings
-    max_model_len = limit if max_model_len is None else max_model_len
-    if not is_int(max_model_len) or not 2 <= max_model_len <= limit:
-        raise ValueError(f"max_model_len must be an integer in [2, {limit}] (max_position_embeddings), "
-                         f"got {max_model_len!r}")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return Checkpoint(path, config, load_tokenizer(path), dtype, device, int(max_model_len))
+from chunkwise.tokenizer import encode_prompts, is_int
 
 
 @dataclass
@@ -56,33 +19,83 @@ class Request:
     chunk_sizes: list[int] | None   # the caller's prefill chunk lengths, summing to the prompt length
 
 
-def prepare_requests(ckpt: Checkpoint, prompts, sampling_params=None, chunk_sizes=None) -> list[Request]:
+def prepare_requests(model_config: ModelConfig, tokenizer, max_model_len: int, prompts, sampling_params=None,
+                     chunk_sizes=None) -> list[Request]:
     """Validated requests for a batch: every prompt, sampling params and chunking is checked before any
-    engine touches one, so a bad request raises ValueError (naming the prompt index) and disturbs nothing."""
-    ids = encode_prompts(prompts, ckpt.tokenizer, ckpt.config)
+    engine touches one, so a bad request raises (naming the prompt index) and disturbs nothing.
+
+    `chunk_sizes`: None, one int for every prompt, or one entry per prompt (None, an int, or a list of
+    chunk lengths). For a batch (a list of prompts) a flat list of ints always means one int per prompt,
+    whatever the batch's size; for a single prompt (a string or one list of ids) it is that prompt's chunks.
+    """
+    if is_single_prompt(prompts) and isinstance(chunk_sizes, (list, tuple)):
+        chunk_sizes = [chunk_sizes]
+    ids = encode_prompts(prompts, tokenizer, model_config)
     n = len(ids)
-    params = per_prompt(sampling_params, n, "sampling_params", lambda v: v is None or isinstance(v, SamplingParams))
-    if n == 1 and isinstance(chunk_sizes, (list, tuple)) and chunk_sizes and all(is_int(c) for c in chunk_sizes):
-        chunk_sizes = [chunk_sizes]   # one prompt's flat list of chunk lengths
-    chunks = per_prompt(chunk_sizes, n, "chunk_sizes", lambda v: v is None or is_int(v))
+    params = per_prompt(sampling_params, n, "sampling_params", is_params, "a SamplingParams or one per prompt")
+    chunks = per_prompt(chunk_sizes, n, "chunk_sizes", is_chunking,
+                        "None, an int, or one entry per prompt (None, an int or a list of chunk lengths)")
     requests = []
     for i, (tokens, p, c) in enumerate(zip(ids, params, chunks)):
         p = p if p is not None else SamplingParams()
-        if len(tokens) + p.max_tokens > ckpt.max_model_len:
+        check_against_vocab(p, model_config.vocab_size, i)
+        if len(tokens) + p.max_tokens > max_model_len:
             raise ValueError(f"prompt {i}: {len(tokens)} tokens + max_tokens {p.max_tokens} exceed "
-                             f"max_model_len {ckpt.max_model_len}")
+                             f"max_model_len {max_model_len}")
         requests.append(Request(tokens, p, expand_chunk_sizes(c, len(tokens), i)))
     return requests
 
 
-def per_prompt(value, n: int, name: str, is_one) -> list:
-    """`value` for each of n prompts: one value shared by all, or a list of exactly n."""
-    if is_one(value):
+def check_against_vocab(params: SamplingParams, vocab_size: int, index: int) -> None:
+    """The sampling fields that depend on the model: logprobs count and stop token ids."""
+    if params.logprobs is not None and params.logprobs > vocab_size:
+        raise ValueError(f"prompt {index}: logprobs={params.logprobs} exceeds the vocabulary size {vocab_size}")
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt {index}: stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+
+
+def is_single_prompt(prompts) -> bool:
+    """A string or one list of token ids (rather than a batch of prompts)."""
+    if hasattr(prompts, "tolist"):
+        prompts = prompts.tolist()
+    return isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and len(prompts) > 0
+                                        and all(is_int(t) for t in prompts))
+
+
+def single_prompt(prompt) -> list:
+    """`prompt` as a batch of one; ValueError if it is not one prompt (an API taking exactly one)."""
+    if not is_single_prompt(prompt):
+        raise ValueError(f"expected one prompt (a string or a list of token ids), got {type(prompt).__name__} "
+                         f"{prompt!r:.80}")
+    return [prompt.tolist() if hasattr(prompt, "tolist") else prompt]
+
+
+def is_params(v) -> bool:
+    return v is None or isinstance(v, SamplingParams)
+
+
+def is_chunking(v) -> bool:
+    """One prompt's chunking: None, a fixed chunk length, or a list of chunk lengths (checked later)."""
+    return v is None or is_int(v) or isinstance(v, (list, tuple))
+
+
+def per_prompt(value, n: int, name: str, is_entry, expected: str) -> list:
+    """`value` for each of n prompts: one value shared by all, or a list/tuple of exactly n entries."""
+    if value is None or (is_entry(value) and not isinstance(value, (list, tuple))):
         return [value] * n
-    value = list(value)
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be {expected}; got {type(value).__name__} {value!r:.80}")
+    for i, v in enumerate(value):
+        if not is_entry(v):
+            raise TypeError(f"{name}[{i}] is {type(v).__name__} {v!r:.80}; {name} must be {expected}")
     if len(value) != n:
-        raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
-    return value
+        hint = ""
+        if name == "chunk_sizes" and all(is_int(c) for c in value):
+            hint = (f" (a flat list of ints gives one chunk length per prompt; for one prompt's chunk "
+                    f"lengths pass [{list(value)}])")
+        raise ValueError(f"{name} has {len(value)} entries for {n} prompt{'s' if n != 1 else ''}{hint}")
+    return list(value)
 
 
 def expand_chunk_sizes(chunk_sizes, prompt_len: int, index: int) -> list[int] | None:
@@ -94,6 +107,9 @@ def expand_chunk_sizes(chunk_sizes, prompt_len: int, index: int) -> list[int] | 
             raise ValueError(f"prompt {index}: chunk size {chunk_sizes} must be >= 1")
         full, rest = divmod(prompt_len, chunk_sizes)
         return [int(chunk_sizes)] * full + ([rest] if rest else [])
+    if not isinstance(chunk_sizes, (list, tuple)):
+        raise TypeError(f"prompt {index}: chunk sizes must be None, an int or a list of ints, got "
+                        f"{type(chunk_sizes).__name__} {chunk_sizes!r:.80}")
     sizes = list(chunk_sizes)
     for c in sizes:
         if not is_int(c) or c < 1:

@@ -42,8 +42,10 @@ class RequestOutput:
     text: str = ""
     # one dict per generated token: {token_id: logprob} holding the chosen token and the top `logprobs`
     logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None  # "stop" (EOS or a stop token), "length" (max_tokens), "abort"
+    # "stop" (EOS or a stop token), "length" (max_tokens), "abort", "error" (the step running it raised)
+    finish_reason: str | None = None
     num_cached_tokens: int = 0        # prompt tokens whose K/V came from the prefix cache
+    error: str | None = None          # the exception that ended the request, with finish_reason "error"
 
     @property
     def finished(self) -> bool:

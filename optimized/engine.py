@@ -1,23 +1,29 @@
 """optimized.Engine: the paged, chunked-prefill engine behind the interface both engines share.
 
 `generate` for batches; `add_request` / `step` / `abort` for streaming. Every request is validated in
-full before any of it touches the scheduler, so a bad request never disturbs the others.
+full before any of it touches the scheduler, so a bad request never disturbs the others. A step is
+schedule -> run -> postprocess over one `ScheduledBatch`; if the forward or sampling raises, the step's
+requests finish with finish_reason "error" (the exception kept on their outputs), their pages are freed,
+and the engine goes on as if they had never run. One lock serialises the public calls, so threads may
+share an engine.
 """
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm.auto import tqdm
 
-from chunkwise.requests import open_checkpoint, prepare_requests
+from chunkwise.engine_config import EngineConfig
+from chunkwise.requests import prepare_requests, single_prompt
 from chunkwise.sampling import RequestOutput, SamplingParams
-from chunkwise.tokenizer import decode
+from chunkwise.tokenizer import decode, load_tokenizer
 from chunkwise.weights import load_weights
-from optimized.block_manager import BlockManager
 from optimized.model_runner import ModelRunner
-from optimized.scheduler import Scheduler, SchedulerConfig
+from optimized.page_pool import PagePool
+from optimized.scheduler import ScheduledBatch, Scheduler
 from optimized.sequence import Sequence
 
 TQDM_MIN_PROMPTS = 16   # progress bars only for batches worth watching
@@ -25,128 +31,190 @@ TQDM_MIN_PROMPTS = 16   # progress bars only for batches worth watching
 
 @dataclass
 class StepOutput:
+    """What one step did for one request: its new token (with logprobs if asked) and, once it finished,
+    the reason and the whole output."""
     request_id: int
     new_token_ids: list[int]
-    finished: bool
+    new_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    output: RequestOutput | None = None     # set once finished
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 class Engine:
-    """The shared interface (DESIGN.md) plus the paging knobs: `num_pages` (default: from free memory, on
-    GPU `gpu_memory_utilization` of it), the per-step token budget and running-sequence cap, prefix caching,
-    `enforce_eager` (no CUDA graphs) and `split_kv_threshold` (decodes of sequences holding more tokens use
-    split-KV; default 0 on GPU, where decode graphs capture that path, 256 on CPU)."""
+    """The shared interface plus the paging knobs of `EngineConfig` (page pool size, per-step token budget,
+    running-sequence cap, prefix caching, CUDA graphs, split-KV threshold and split size)."""
 
-    def __init__(self, model, dtype="float32", device=None, page_size=16, max_model_len=None,
-                 num_pages=None, gpu_memory_utilization=0.9, max_num_batched_tokens=512, max_num_seqs=64,
-                 enable_prefix_caching=True, enforce_eager=False, split_kv_threshold=None):
-        ckpt = open_checkpoint(model, dtype, device, page_size, max_model_len)
-        self.checkpoint, self.config, self.tokenizer = ckpt, ckpt.config, ckpt.tokenizer
-        self.dtype, self.device, self.max_model_len = ckpt.dtype, ckpt.device, ckpt.max_model_len
-        sched_cfg = SchedulerConfig(max_num_batched_tokens, max_num_seqs)
-        weights = load_weights(ckpt.path, self.dtype, self.device, cfg=self.config)
-        self.runner = ModelRunner(
-            self.config, weights, dtype=self.dtype, device=self.device, page_size=page_size, max_model_len=self.max_model_len, num_pages=num_pages,
-            gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs, enforce_eager=enforce_eager, split_kv_threshold=split_kv_threshold)
-        self.page_size = page_size
-        self.block_manager = BlockManager(self.runner.num_pages, page_size, enable_prefix_caching)
-        self.scheduler = Scheduler(sched_cfg, self.block_manager, self.config.eos_token_ids)
-        self.outputs: dict[int, RequestOutput] = {}
-        self._seqs: dict[int, Sequence] = {}
-        self._kv_wanted: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
+    def __init__(self, model, **kwargs):
+        self.engine_config = config = EngineConfig(model, **kwargs)
+        self.config, self.dtype, self.device = config.model_config, config.dtype, config.device
+        self.max_model_len, self.page_size = config.max_model_len, config.page_size
+        self.tokenizer = load_tokenizer(config.path)
+        weights = load_weights(config.path, self.dtype, self.device, cfg=self.config)
+        self.runner = ModelRunner(config, weights)
+        self.page_pool = PagePool(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.page_pool, self.config.eos_token_ids)
+        self._seqs: dict[int, Sequence] = {}                 # unfinished requests by id
+        self._claims: dict[int, list[StepOutput]] = {}       # outputs collected by a generate/prefill_kv call
+        self._backlog: list[StepOutput] = []                 # streamed requests' outputs made inside those calls
         self._ids = itertools.count()
+        self._num_ids = 0
+        self._lock = threading.RLock()
 
     # ---- requests ----------------------------------------------------------------------------------
     def _prepare(self, prompts, sampling_params, chunk_sizes) -> list[Sequence]:
         """Validated sequences for a batch of prompts (nothing is scheduled yet)."""
-        seqs = [Sequence(-1, r.prompt_token_ids, r.params, r.chunk_sizes)
-                for r in prepare_requests(self.checkpoint, prompts, sampling_params, chunk_sizes)]
-        for seq in seqs:   # the scheduler's own check, for the whole batch before any of it is added
-            self.scheduler.check_fits(seq)
+        requests = prepare_requests(self.config, self.tokenizer, self.max_model_len, prompts, sampling_params,
+                                    chunk_sizes)
+        seqs = [Sequence(-1, r.prompt_token_ids, r.params, r.chunk_sizes) for r in requests]
+        for i, seq in enumerate(seqs):   # the scheduler's own check, for the whole batch before any is added
+            self.scheduler.check_fits(seq, name=f"prompt {i}")
         return seqs
 
     def _submit(self, seq: Sequence) -> int:
         rid = next(self._ids)
+        self._num_ids = rid + 1
         seq.seq_id = rid
+        if seq.sampling_params.logprobs is not None:
+            seq.logprobs = []
         self.scheduler.add(seq)
         self._seqs[rid] = seq
-        self.outputs[rid] = RequestOutput(rid, list(seq.prompt_token_ids), token_ids=[],
-                                          logprobs=[] if seq.sampling_params.logprobs is not None else None)
         return rid
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, chunk_sizes=None) -> int:
         """Queue one prompt; returns its request id. Tokens arrive through `step`."""
-        return self._submit(self._prepare([prompt], sampling_params, chunk_sizes)[0])
+        with self._lock:
+            return self._submit(self._prepare(single_prompt(prompt), sampling_params, [chunk_sizes])[0])
 
-    def abort(self, request_id: int) -> None:
-        """Stop a request and free its pages; its output keeps the tokens so far, finish_reason "abort"."""
-        if request_id not in self.outputs:
-            raise ValueError(f"no request with id {request_id!r}")
-        if self.scheduler.abort(request_id) is not None:
-            self._finish(request_id, "abort")
+    def abort(self, request_id: int) -> RequestOutput | None:
+        """Stop a request and free its pages; returns its output (the tokens so far, finish_reason "abort"),
+        or None if it had already finished."""
+        with self._lock:
+            if not isinstance(request_id, int) or not 0 <= request_id < self._num_ids:
+                raise ValueError(f"no request with id {request_id!r}")
+            seq = self.scheduler.abort(request_id)
+            if seq is None:
+                return None
+            out = self._finish(seq, "abort")
+            if request_id in self._claims:
+                self._claims[request_id].append(StepOutput(request_id, [], [] if seq.logprobs is not None else None,
+                                                           "abort", out))
+            return out
 
-    def _finish(self, rid: int, reason: str) -> None:
-        out = self.outputs[rid]
-        out.finish_reason = reason
-        out.text = decode(self.tokenizer, out.token_ids)
-        self._seqs.pop(rid, None)
-        self.runner.release(rid)
+    def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
+        """The finished request's output; the engine forgets it."""
+        self._seqs.pop(seq.seq_id, None)
+        self.runner.release(seq.seq_id)
+        return RequestOutput(seq.seq_id, list(seq.prompt_token_ids), token_ids=seq.completion_token_ids,
+                             text=decode(self.tokenizer, seq.completion_token_ids), logprobs=seq.logprobs,
+                             finish_reason=reason, num_cached_tokens=seq.num_cached_tokens, error=seq.error)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # ---- stepping ----------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """One scheduler step: a forward over the batch, sampling, bookkeeping. Returns tokens produced."""
+        """One scheduler step: a forward over the batch, sampling, bookkeeping. Returns what each request
+        got (requests collected by a running `generate` or `prefill_kv` are left to those calls)."""
+        with self._lock:
+            backlog, self._backlog = self._backlog, []
+            return backlog + self._route(self._step())
+
+    def _route(self, outs: list[StepOutput]) -> list[StepOutput]:
+        """Hands claimed requests' outputs to their claimant; returns the others."""
+        free = []
+        for o in outs:
+            if o.request_id in self._claims:
+                self._claims[o.request_id].append(o)
+            else:
+                free.append(o)
+        return free
+
+    def _step(self) -> list[StepOutput]:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler made no progress with unfinished requests queued")
             return []
-        sampled, logits = self.runner.run(batch.seqs, batch.num_new_tokens)
-        tokens, logprobs = self.runner.sample(sampled, logits)
-        for seq in sampled:
-            if seq.seq_id in self._kv_wanted and self._kv_wanted[seq.seq_id] is None:
-                self._kv_wanted[seq.seq_id] = self.runner.gather_kv(seq, seq.num_prompt_tokens)
+        try:
+            sampled, logits = self.runner.run(batch)
+            tokens, logprobs = self.runner.sample(sampled, logits)
+        except Exception as exc:   # contained: only this step's requests end, with the error on them
+            return self._fail(batch, exc)
         finished = {s.seq_id for s in self.scheduler.postprocess(batch, tokens)}
         results = []
         for seq in sampled:
-            out = self.outputs[seq.seq_id]
-            if not out.token_ids:
-                out.num_cached_tokens = seq.num_cached_tokens
-            out.token_ids.append(tokens[seq.seq_id])
-            if out.logprobs is not None:
-                out.logprobs.append(logprobs[seq.seq_id])
-            if seq.seq_id in finished:
-                self._finish(seq.seq_id, seq.finish_reason)
-            results.append(StepOutput(seq.seq_id, [tokens[seq.seq_id]], seq.seq_id in finished))
+            rid = seq.seq_id
+            lp = None
+            if seq.logprobs is not None:
+                seq.logprobs.append(logprobs[rid])
+                lp = [logprobs[rid]]
+            out = self._finish(seq, seq.finish_reason) if rid in finished else None
+            results.append(StepOutput(rid, [tokens[rid]], lp, out.finish_reason if out else None, out))
+        return results
+
+    def _fail(self, batch: ScheduledBatch, exc: Exception) -> list[StepOutput]:
+        error = f"{type(exc).__name__}: {exc}"
+        results = []
+        for seq in batch.seqs:
+            if self.scheduler.abort(seq.seq_id, reason="error") is None:
+                continue
+            seq.error = error
+            out = self._finish(seq, "error")
+            results.append(StepOutput(seq.seq_id, [], [] if seq.logprobs is not None else None, "error", out))
         return results
 
     def generate(self, prompts, sampling_params=None, chunk_sizes=None, use_tqdm=None) -> list[RequestOutput]:
         """Run prompts to completion (other queued requests advance too); outputs in prompt order."""
-        rids = [self._submit(s) for s in self._prepare(prompts, sampling_params, chunk_sizes)]
+        with self._lock:
+            rids = [self._submit(s) for s in self._prepare(prompts, sampling_params, chunk_sizes)]
+            for r in rids:
+                self._claims[r] = []
         show = len(rids) >= TQDM_MIN_PROMPTS if use_tqdm is None else use_tqdm
-        pending = set(rids)
-        with tqdm(total=len(rids), desc="generate", disable=not show) as bar:
-            while pending:
-                for r in self.step():
-                    if r.finished and r.request_id in pending:
-                        pending.discard(r.request_id)
-                        bar.update(1)
-        return [self.outputs.pop(r) for r in rids]
+        done: dict[int, RequestOutput] = {}
+        try:
+            with tqdm(total=len(rids), desc="generate", disable=not show) as bar:
+                while len(done) < len(rids):
+                    with self._lock:
+                        self._backlog += self._route(self._step())
+                        for r in rids:
+                            for o in self._claims[r]:
+                                if o.finished:
+                                    done[r] = o.output
+                                    bar.update(1)
+                            self._claims[r].clear()
+        finally:
+            with self._lock:
+                for r in rids:
+                    self._claims.pop(r, None)
+                    if r not in done and r in self._seqs:   # interrupted: nothing of it stays behind
+                        self.abort(r)
+        return [done[r] for r in rids]
 
     def prefill_kv(self, prompt, chunk_sizes=None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [num_layers, num_tokens, kv_heads, head_dim] of the prompt as this engine cached them
         (after k-norm and RoPE), gathered from its own pages."""
-        seq = self._prepare([prompt], SamplingParams(max_tokens=1, ignore_eos=True), chunk_sizes)[0]
-        rid = self._submit(seq)
-        self._kv_wanted[rid] = None
+        with self._lock:
+            seq = self._prepare(single_prompt(prompt), SamplingParams(max_tokens=1, ignore_eos=True), [chunk_sizes])[0]
+            # Two tokens, so the request still holds its pages after the step that computes the prompt's
+            # last token; it is aborted right after that step.
+            seq.sampling_params = replace(seq.sampling_params, max_tokens=2)
+            rid = self._submit(seq)
+            self._claims[rid] = []
         try:
-            while self._kv_wanted[rid] is None:
-                self.step()
+            while True:
+                with self._lock:
+                    self._backlog += self._route(self._step())
+                    failed = next((o for o in self._claims[rid] if o.finished), None)
+                    if failed is not None:
+                        raise RuntimeError(f"prefill_kv: the request failed: {failed.output.error}")
+                    if seq.num_computed_tokens >= seq.num_prompt_tokens:
+                        return self.runner.gather_kv(seq, seq.num_prompt_tokens)
         finally:
-            kv = self._kv_wanted.pop(rid)
-            if rid in self._seqs:
-                self.abort(rid)
-            self.outputs.pop(rid, None)
-        return kv
+            with self._lock:
+                self._claims.pop(rid, None)
+                if rid in self._seqs:
+                    self.abort(rid)

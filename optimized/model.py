@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from chunkwise.config import ModelConfig
 from kernels import paged_attention, split_kv_decode, store_kv
+from kernels.split_kv import DEFAULT_SPLIT_SIZE
 
 
 @dataclass
@@ -55,8 +56,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Model:
     """Weights (HF names, fused where it saves launches) and the step forward; no cache of its own."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], split_size: int = DEFAULT_SPLIT_SIZE):
         self.cfg = cfg
+        self.split_size = split_size   # split-KV split length in tokens
         self.embed = weights["model.embed_tokens.weight"]
         self.final_norm = weights["model.norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
@@ -151,6 +153,6 @@ class Model:
                             cfg.attn_scale, sliding_window=window, out=out[:p])
         if p < t:
             split_kv_decode(q[p:], k_cache, v_cache, inp.decode_block_tables, inp.decode_seq_lens,
-                            cfg.attn_scale, sliding_window=window, out=out[p:])
+                            cfg.attn_scale, sliding_window=window, split_size=self.split_size, out=out[p:])
         out = out.reshape(t, q_size) @ lw["o"].t()
         return out + lw["o_bias"] if "o_bias" in lw else out

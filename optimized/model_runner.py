@@ -12,13 +12,16 @@ import psutil
 import torch
 
 from chunkwise.config import ModelConfig
+from chunkwise.engine_config import EngineConfig
 from chunkwise.sampling import make_generator, sample, token_logprobs
+from kernels.split_kv import DEFAULT_SPLIT_SIZE, split_tile_config
 from optimized.model import Model, StepInputs
 
 # The Triton interpreter runs a split-KV decode (split + merge programs) slower than a one-pass decode
 # for short contexts; on CPU only long sequences take it by default. On GPU every decode does, which is
 # also what the decode CUDA graphs capture.
 CPU_SPLIT_KV_THRESHOLD = 256
+CPU_KV_CACHE_CAP = 512 << 20   # bytes of KV cache a CPU engine takes by default
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
@@ -37,51 +40,52 @@ def activation_reserve(cfg: ModelConfig, max_num_batched_tokens: int, max_num_se
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], *, dtype: torch.dtype,
-                 device: torch.device, page_size: int, max_model_len: int, num_pages: int | None,
-                 gpu_memory_utilization: float, max_num_batched_tokens: int, max_num_seqs: int,
-                 enforce_eager: bool, split_kv_threshold: int | None = None):
-        self.cfg, self.dtype, self.device, self.page_size = cfg, dtype, device, page_size
-        if split_kv_threshold is None:
-            split_kv_threshold = 0 if device.type == "cuda" else CPU_SPLIT_KV_THRESHOLD
-        if not isinstance(split_kv_threshold, int) or split_kv_threshold < 0:
-            raise ValueError(f"split_kv_threshold must be an integer >= 0, got {split_kv_threshold!r}")
-        self.split_kv_threshold = split_kv_threshold
-        self.model = Model(cfg, weights)
-        self.max_pages_per_seq = math.ceil(max_model_len / page_size)
-        self.num_pages = self._pool_size(num_pages, gpu_memory_utilization, max_num_batched_tokens,
-                                         max_num_seqs)
-        shape = (self.num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
+    def __init__(self, config: EngineConfig, weights: dict[str, torch.Tensor]):
+        cfg = config.model_config
+        self.config, self.cfg = config, cfg
+        self.dtype, self.device, self.page_size = config.dtype, config.device, config.page_size
+        threshold = config.split_kv_threshold
+        self.split_kv_threshold = threshold if threshold is not None else (
+            0 if self.device.type == "cuda" else CPU_SPLIT_KV_THRESHOLD)
+        self.split_size = DEFAULT_SPLIT_SIZE if config.split_size is None else config.split_size
+        block_n = split_tile_config(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)[1]
+        if self.split_size % block_n:
+            raise ValueError(f"split_size must be a multiple of {block_n} (the split-KV tile for head_dim "
+                             f"{cfg.head_dim}), got {self.split_size}")
+        self.model = Model(cfg, weights, split_size=self.split_size)
+        self.max_pages_per_seq = config.max_pages_per_seq
+        self.num_pages = self._pool_size()
+        shape = (self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
         self.generators: dict[int, torch.Generator | None] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if device.type == "cuda" and not enforce_eager and split_kv_threshold == 0:
-            self._capture_graphs(max_num_seqs)
+        if self.device.type == "cuda" and not config.enforce_eager and self.split_kv_threshold == 0:
+            self._capture_graphs(config.max_num_seqs)
 
-    def _pool_size(self, num_pages: int | None, utilization: float, max_tokens: int, max_seqs: int) -> int:
+    def _pool_size(self) -> int:
         """Pages the pool gets: as asked (if memory holds them) or what the memory budget allows."""
+        config = self.config
         per_page = page_bytes(self.cfg, self.page_size, self.dtype)
         if self.device.type == "cuda":
-            if not 0.0 < utilization <= 1.0:
-                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = min(free, total * utilization - (total - free))
-            budget -= activation_reserve(self.cfg, max_tokens, max_seqs, self.dtype)
+            budget = min(free, total * config.gpu_memory_utilization - (total - free))
+            budget -= activation_reserve(self.cfg, config.max_num_batched_tokens, config.max_num_seqs, self.dtype)
             default = int(budget // per_page)
         else:
             budget = psutil.virtual_memory().available
-            # the CPU default: room for every running sequence at full length, within a quarter of RAM
-            default = min(max_seqs * self.max_pages_per_seq, int(budget // 4 // per_page))
-        if num_pages is None:
-            num_pages = default
-        elif not isinstance(num_pages, int) or num_pages < 1:
-            raise ValueError(f"num_pages must be an integer >= 1, got {num_pages!r}")
-        elif num_pages * per_page > budget:
-            raise ValueError(f"num_pages={num_pages} needs {num_pages * per_page / 2**30:.2f} GiB of KV cache; "
-                             f"only {max(budget, 0) / 2**30:.2f} GiB are available")
+            # Room for every running sequence at full length, capped: the pool is zeroed, so it is all
+            # resident, and a CPU engine serves a few short requests.
+            cap = min(CPU_KV_CACHE_CAP, budget // 4)
+            default = min(config.max_num_seqs * self.max_pages_per_seq, int(cap // per_page))
+        num_pages = default if config.num_pages is None else config.num_pages
+        if num_pages * per_page > budget:
+            raise ValueError(f"num_pages={num_pages} of page_size={self.page_size} needs "
+                             f"{num_pages * per_page / 2**30:.2f} GiB of KV cache; only "
+                             f"{max(budget, 0) / 2**30:.2f} GiB are available")
         if num_pages < 1:
-            raise ValueError(f"no memory left for the KV cache (budget {budget / 2**30:.2f} GiB)")
+            raise ValueError(f"page_size={self.page_size}: one page of KV cache takes {per_page / 2**30:.2f} GiB, "
+                             f"more than the {max(budget, 0) / 2**30:.2f} GiB available for the cache")
         return num_pages
 
     # ---- step inputs -------------------------------------------------------------------------------
@@ -94,37 +98,37 @@ class ModelRunner:
         rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
         return torch.tensor(rows, dtype=torch.int32).reshape(len(seqs), width)
 
-    def prepare(self, seqs, num_new_tokens) -> tuple[StepInputs, list]:
-        """Step tensors for (seq, n) pairs: paged_attention's rows first, then split-KV decodes.
+    def prepare(self, batch) -> tuple[StepInputs, list]:
+        """Step tensors for a ScheduledBatch: paged_attention's rows first, then split-KV decodes.
 
         A decode goes through split-KV when its sequence holds more than split_kv_threshold tokens: a rule
         on the sequence alone, so a token's path (and its bits) never depends on what else is batched.
-        Returns the sequences that sample this step too.
+        Returns the sequences that sample this step (the batch's `samples`), in logits-row order.
         """
         prefill, decode = [], []
-        for seq, n in zip(seqs, num_new_tokens):
+        for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
             start = seq.num_computed_tokens
             split = n == 1 and start >= seq.num_prompt_tokens and start + 1 > self.split_kv_threshold
-            (decode if split else prefill).append((seq, n))
+            (decode if split else prefill).append((seq, n, samples))
         ids, pos, slots, qsl, lens, logits_idx, sampled = [], [], [], [0], [], [], []
-        for seq, n in prefill + decode:
+        for seq, n, samples in prefill + decode:
             start = seq.num_computed_tokens
             ids += seq.token_ids[start:start + n]
             pos += range(start, start + n)
             slots += self._slots(seq, start, start + n)
             lens.append(start + n)
-            if start + n == seq.num_tokens:
+            if samples:
                 logits_idx.append(len(ids) - 1)
                 sampled.append(seq)
-        for _, n in prefill:
+        for _, n, _ in prefill:
             qsl.append(qsl[-1] + n)
         p = len(prefill)
         host = StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64), positions=torch.tensor(pos, dtype=torch.int64),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=self._table([s for s, _ in prefill]), seq_lens=torch.tensor(lens[:p], dtype=torch.int32),
+            block_tables=self._table([s for s, _, _ in prefill]), seq_lens=torch.tensor(lens[:p], dtype=torch.int32),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            decode_block_tables=self._table([s for s, _ in decode]),
+            decode_block_tables=self._table([s for s, _, _ in decode]),
             decode_seq_lens=torch.tensor(lens[p:], dtype=torch.int32),
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64))
         return host, sampled
@@ -136,9 +140,9 @@ class ModelRunner:
 
     # ---- forward -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, seqs, num_new_tokens) -> tuple[list, torch.Tensor]:
+    def run(self, batch) -> tuple[list, torch.Tensor]:
         """Forward of one step; returns the sequences that sample now and their logits [N, vocab] float32."""
-        host, sampled = self.prepare(seqs, num_new_tokens)
+        host, sampled = self.prepare(batch)
         bs = host.decode_seq_lens.shape[0]
         if host.num_prefill_tokens == 0 and self.graphs and bs <= max(self.graphs):
             return sampled, self._replay(host, bs)

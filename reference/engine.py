@@ -1,36 +1,44 @@
 """reference.Engine: the interface both engines share, over a model that recomputes everything.
 
 Each generated token costs a full forward pass over the prompt and every token generated so far: slow,
-and obviously free of cache bugs. `page_size` and `chunk_sizes` are validated like the optimized
-engine's and otherwise ignored, since there are no pages and no chunks here.
+and obviously free of cache bugs. It takes the same `EngineConfig` fields as the optimized engine and
+validates them alike; the paging and batching ones (`REFERENCE_IGNORED`: page_size, num_pages, ...) and
+`chunk_sizes` are then ignored, since there are no pages and no chunks here.
 """
 from __future__ import annotations
 
 import torch
 
-from chunkwise.requests import open_checkpoint, prepare_requests
+from chunkwise.engine_config import REFERENCE_IGNORED, EngineConfig
+from chunkwise.requests import prepare_requests, single_prompt
 from chunkwise.sampling import RequestOutput, SamplingParams, make_generator, sample, token_logprobs
-from chunkwise.tokenizer import decode
+from chunkwise.tokenizer import decode, load_tokenizer
 from chunkwise.weights import load_weights
 from reference.model import ReferenceModel
 
 
 class Engine:
-    def __init__(self, model, dtype="float32", device=None, page_size=16, max_model_len=None, **kw):
-        """`kw` takes the optimized engine's tuning knobs (num_pages, max_num_seqs, ...) and ignores them."""
-        ckpt = open_checkpoint(model, dtype, device, page_size, max_model_len)
-        self.checkpoint, self.config, self.tokenizer = ckpt, ckpt.config, ckpt.tokenizer
-        self.dtype, self.device, self.max_model_len = ckpt.dtype, ckpt.device, ckpt.max_model_len
-        weights = load_weights(ckpt.path, self.dtype, self.device, cfg=self.config)
+    ignored_fields = REFERENCE_IGNORED
+
+    def __init__(self, model, **kwargs):
+        """`kwargs`: EngineConfig's fields; those in `ignored_fields` are validated, then ignored."""
+        self.engine_config = config = EngineConfig(model, **kwargs)
+        self.config, self.tokenizer = config.model_config, load_tokenizer(config.path)
+        self.dtype, self.device, self.max_model_len = config.dtype, config.device, config.max_model_len
+        weights = load_weights(config.path, self.dtype, self.device, cfg=self.config)
         self.model = ReferenceModel(self.config, weights)
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits [T, vocab] float32 at every position of `token_ids`."""
         return self.model.forward(torch.tensor(token_ids, device=self.device))[0]
 
-    def generate(self, prompts, sampling_params=None, chunk_sizes=None, **kw) -> list[RequestOutput]:
-        """One output per prompt, in order; `kw` (e.g. use_tqdm) is accepted for interface parity."""
-        requests = prepare_requests(self.checkpoint, prompts, sampling_params, chunk_sizes)
+    def _requests(self, prompts, sampling_params, chunk_sizes):
+        return prepare_requests(self.config, self.tokenizer, self.max_model_len, prompts, sampling_params,
+                                chunk_sizes)
+
+    def generate(self, prompts, sampling_params=None, chunk_sizes=None, use_tqdm=None) -> list[RequestOutput]:
+        """One output per prompt, in order; `use_tqdm` is accepted for interface parity (no progress bar)."""
+        requests = self._requests(prompts, sampling_params, chunk_sizes)
         return [self._generate_one(i, r.prompt_token_ids, r.params) for i, r in enumerate(requests)]
 
     def _generate_one(self, request_id: int, prompt: list[int], params: SamplingParams) -> RequestOutput:
@@ -53,6 +61,6 @@ class Engine:
     def prefill_kv(self, prompt, chunk_sizes=None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every layer for one prompt as a cache would hold them (after k-norm and RoPE):
         each [num_layers, num_tokens, num_kv_heads, head_dim] in the engine's dtype."""
-        request = prepare_requests(self.checkpoint, [prompt], SamplingParams(max_tokens=1), chunk_sizes)[0]
+        request = self._requests(single_prompt(prompt), SamplingParams(max_tokens=1), [chunk_sizes])[0]
         _, k, v = self.model.forward(torch.tensor(request.prompt_token_ids, device=self.device))
         return k, v

@@ -65,37 +65,41 @@ def test_failed_request_leaves_other_requests_unchanged(engine, solo):
 
 
 def test_abort_frees_pages_and_leaves_other_requests_unchanged(engine, solo):
-    free = engine.block_manager.num_free_pages
+    free = engine.page_pool.num_free_pages
     rids = [engine.add_request(p, GREEDY) for p in PROMPTS]
-    engine.step()
-    engine.step()
-    engine.abort(rids[1])
+    done = {}
+    for _ in range(2):
+        done.update({r.request_id: r.output for r in engine.step() if r.finished})
+    done[rids[1]] = engine.abort(rids[1])
+    assert engine.abort(rids[1]) is None, "a finished request cannot be aborted again"
     while engine.has_unfinished():
-        engine.step()
-    outs = [engine.outputs.pop(r) for r in rids]
+        done.update({r.request_id: r.output for r in engine.step() if r.finished})
+    outs = [done[r] for r in rids]
     assert outs[1].finish_reason == "abort" and len(outs[1].token_ids) < GREEDY.max_tokens
     assert outs[1].token_ids == solo[1][:len(outs[1].token_ids)]
     assert [outs[0].token_ids, outs[2].token_ids] == [solo[0], solo[2]]
-    assert engine.block_manager.num_free_pages == free
+    assert engine.page_pool.num_free_pages == free
 
 
 def test_streaming_with_late_arrivals_matches_generate(engine, solo):
     streamed = {engine.add_request(PROMPTS[0], GREEDY): 0}
     seen: dict[int, list[int]] = {}
     finished = set()
+    outputs = {}
     steps = 0
     while engine.has_unfinished() or steps == 0:
         for r in engine.step():
             seen.setdefault(r.request_id, []).extend(r.new_token_ids)
             if r.finished:
                 finished.add(r.request_id)
+                outputs[r.request_id] = r.output
         steps += 1
         if steps in (2, 4):   # arrive while the first request decodes
             streamed[engine.add_request(PROMPTS[steps // 2], GREEDY)] = steps // 2
     assert finished == set(streamed)
     for rid, i in streamed.items():
         assert seen[rid] == solo[i], f"request {rid} (prompt {i})"
-        assert engine.outputs.pop(rid).finish_reason == "length"
+        assert outputs[rid].finish_reason == "length" and outputs[rid].token_ids == solo[i]
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(ckpt, engine):

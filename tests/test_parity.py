@@ -114,6 +114,7 @@ def run_streaming(eng: Engine, w: Workload, params: list[SamplingParams]):
     """Adds each request before its arrival step (at once when the engine idles); outputs in prompt order."""
     pending = sorted(range(len(w.prompts)), key=lambda i: w.arrivals[i])
     rids: dict[int, int] = {}
+    outputs = {}
     step = 0
     while pending or eng.has_unfinished():
         if not eng.has_unfinished():
@@ -121,9 +122,11 @@ def run_streaming(eng: Engine, w: Workload, params: list[SamplingParams]):
         while pending and w.arrivals[pending[0]] <= step:
             i = pending.pop(0)
             rids[i] = eng.add_request(list(w.prompts[i]), params[i], w.chunks[i])
-        eng.step()
+        for r in eng.step():
+            if r.finished:
+                outputs[r.request_id] = r.output
         step += 1
-    return [eng.outputs.pop(rids[i]) for i in range(len(w.prompts))]
+    return [outputs[rids[i]] for i in range(len(w.prompts))]
 
 
 def top2_margin(ref: reference.Engine, tokens: list[int]) -> float:
@@ -193,7 +196,7 @@ def test_greedy_tokens_and_cached_kv_match_reference(model: Model, w: Workload, 
         bound = min(shared, len(o.prompt_token_ids) - 1)
         assert o.num_cached_tokens % w.page_size == 0 and o.num_cached_tokens <= bound, \
             f"{label}: request {i} reports {o.num_cached_tokens} cached tokens, sharing {shared} with others"
-    assert eng.block_manager.num_free_pages == w.num_pages(), f"{label}: pages leaked"
+    assert eng.page_pool.num_free_pages == w.num_pages(), f"{label}: pages leaked"
     assert_kv_close(ref, w.prompts[0], eng.prefill_kv(list(w.prompts[0]), w.chunks[0]),
                     ref.prefill_kv(list(w.prompts[0])), label)
 

@@ -82,7 +82,7 @@ def test_chunk_sizes_and_page_size_do_not_change_the_output(eng, prompt):
     assert eng.generate(prompt, params, chunk_sizes=[1, 5, 6])[0].token_ids == base
     assert eng.generate([prompt], params, chunk_sizes=5)[0].token_ids == base
     k, v = eng.prefill_kv(prompt)
-    k2, v2 = Engine(tiny_checkpoint("qwen3"), device="cpu", page_size=3).prefill_kv(prompt, chunk_sizes=[[4, 8]])
+    k2, v2 = Engine(tiny_checkpoint("qwen3"), device="cpu", page_size=3).prefill_kv(prompt, chunk_sizes=[4, 8])
     assert torch.equal(k, k2) and torch.equal(v, v2)
 
 
@@ -93,8 +93,9 @@ def test_chunk_sizes_and_page_size_do_not_change_the_output(eng, prompt):
     ([[5], [-1]], {}, "token id -1"),
     ("some text", {}, "no tokenizer"),
     ([[5] * 1000], {"sampling_params": SamplingParams(max_tokens=30)}, "max_model_len 1024"),
-    ([[5] * 8], {"chunk_sizes": [3, 4]}, "sum to 7"),
-    ([[5] * 8], {"chunk_sizes": [8, 0]}, "chunk size 0"),
+    ([[5] * 8], {"chunk_sizes": [[3, 4]]}, "sum to 7"),
+    ([[5] * 8], {"chunk_sizes": [3, 4]}, r"2 entries for 1 prompt .*pass \[\[3, 4\]\]"),
+    ([[5] * 8], {"chunk_sizes": [[8, 0]]}, "chunk size 0"),
     ([[5] * 8], {"chunk_sizes": 0}, "chunk size 0"),
     ([[5] * 8, [6] * 3], {"chunk_sizes": [[8]]}, "1 entries for 2 prompts"),
     ([[5] * 8, [6] * 3], {"sampling_params": [SamplingParams()]}, "1 entries for 2 prompts"),

@@ -1,0 +1,114 @@
+"""EngineConfig: every engine argument in one frozen dataclass, validated once.
+
+Both engines build it from `Engine(model, **kwargs)`; an unknown keyword is a TypeError naming it (the
+dataclass's own), a bad value a ValueError naming the field and the value. The optimized engine hands the
+same object to its runner, scheduler and page pool; the reference engine validates the same fields and
+ignores the paging ones (`REFERENCE_IGNORED`).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from chunkwise.checkpoints import resolve_model
+from chunkwise.config import ModelConfig
+from chunkwise.tokenizer import is_int
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEVICE_TYPES = ("cpu", "cuda")
+
+# Fields that only the optimized engine's paging, batching and kernels use.
+REFERENCE_IGNORED = ("page_size", "num_pages", "gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs",
+                     "enable_prefix_caching", "enforce_eager", "split_kv_threshold", "split_size")
+
+
+def _positive_int(name: str, value, low: int = 1) -> None:
+    if not is_int(value) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine arguments. After construction `dtype` is a torch.dtype, `device` a torch.device,
+    `max_model_len` an int, and `path` / `model_config` describe the opened checkpoint."""
+    model: str | os.PathLike
+    dtype: str | torch.dtype = "float32"
+    device: str | torch.device | None = None
+    page_size: int = 16
+    max_model_len: int | None = None
+    num_pages: int | None = None             # KV pages in the pool; None: sized from memory
+    gpu_memory_utilization: float = 0.9      # share of GPU memory the engine may fill (GPU only)
+    max_num_batched_tokens: int = 512        # tokens computed per step
+    max_num_seqs: int = 64                   # running sequences per step
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False              # no CUDA graphs
+    split_kv_threshold: int | None = None    # decodes of longer sequences take split-KV; None: 0 on GPU, 256 on CPU
+    split_size: int | None = None            # split-KV split length in tokens; None: the kernels' default
+    path: Path = field(init=False, repr=False)                 # the checkpoint directory
+    model_config: ModelConfig = field(init=False, repr=False)
+
+    def __post_init__(self):
+        set_ = object.__setattr__.__get__(self)
+        set_("dtype", _resolve_dtype(self.dtype))
+        set_("device", _resolve_device(self.device))
+        _positive_int("page_size", self.page_size)
+        for name in ("enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
+        if self.num_pages is not None:
+            _positive_int("num_pages", self.num_pages)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        if self.split_kv_threshold is not None:
+            _positive_int("split_kv_threshold", self.split_kv_threshold, low=0)
+        if self.split_size is not None:
+            _positive_int("split_size", self.split_size)
+        path = resolve_model(self.model)
+        model_config = ModelConfig.from_dir(path)
+        limit = model_config.max_position_embeddings
+        max_len = limit if self.max_model_len is None else self.max_model_len
+        if not is_int(max_len) or not 2 <= max_len <= limit:
+            raise ValueError(f"max_model_len must be an integer in [2, {limit}] (max_position_embeddings), "
+                             f"got {max_len!r}")
+        set_("max_model_len", int(max_len))
+        set_("path", path)
+        set_("model_config", model_config)
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return math.ceil(self.max_model_len / self.page_size)
+
+
+def _resolve_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    raise ValueError(f"dtype {dtype!r} is not supported; expected one of {sorted(DTYPES)}")
+
+
+def _resolve_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {device!r} is not a device: {exc}") from None
+    if dev.type not in DEVICE_TYPES:
+        raise ValueError(f"device {device!r} is not supported; expected one of {list(DEVICE_TYPES)}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but CUDA is not available here")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA devices")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
