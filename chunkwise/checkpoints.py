@@ -30,7 +30,7 @@ _COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden
                rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 # initializer_range 0.1 gives varied greedy output for these four; Gemma 3 collapses there, and its
-# default 0.02 works (DESIGN.md, "Checkpoints").
+# default 0.02 works (measured with transformers' own init: 16-24 distinct tokens in 24 greedy steps).
 _DEFAULTS = {
     "llama": dict(_COMMON, initializer_range=0.1, tie_word_embeddings=False),
     "mistral": dict(_COMMON, initializer_range=0.1, tie_word_embeddings=False, sliding_window=24),
