@@ -1,4 +1,5 @@
-"""Shared pytest set-up: the device, Triton's interpreter on CPU, Hypothesis profiles, the `gpu` marker."""
+"""Shared pytest set-up: the device, Triton's interpreter on CPU, Hypothesis profiles, the `gpu` marker,
+and benchmarks/ running only under `--benchmark-only` (or `--benchmark-enable`)."""
 import os
 
 import torch
@@ -9,6 +10,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+_BENCHMARKS_DESELECTED = pytest.StashKey[int]()
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 # ci: derandomized and bounded so the suite fits CI's 2 cores; tests scale it with their own max_examples.
@@ -23,10 +26,52 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _benchmarks_wanted(config) -> bool:
+    return bool(config.getoption("benchmark_only", False) or config.getoption("benchmark_enable", False))
+
+
+def _deselect(config, items, drop) -> int:
+    dropped = [item for item in items if drop(item)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if not drop(item)]
+    return len(dropped)
+
+
+def _is_benchmark(config, item) -> bool:
+    return item.path.is_relative_to(config.rootpath / "benchmarks")
+
+
 def pytest_collection_modifyitems(config, items):
+    # benchmarks/ is collected (testpaths) so that `pytest --benchmark-only` finds it, but its items run
+    # only when benchmarks are asked for: a plain test run stays the test suite.
+    if not _benchmarks_wanted(config):
+        config.stash[_BENCHMARKS_DESELECTED] = _deselect(config, items, lambda item: _is_benchmark(config, item))
+    elif config.getoption("benchmark_only", False):
+        # pytest-benchmark would skip each test without a benchmark, one summary line per file
+        _deselect(config, items, lambda item: "benchmark" not in getattr(item, "fixturenames", ()))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Say what the benchmarks did: deselected in a test run; on a machine without a GPU, which tier ran
+    and that it is not a performance figure; if none ran, why."""
+    write = terminalreporter.write_line
+    if config.stash.get(_BENCHMARKS_DESELECTED, 0):
+        write(f"benchmarks: {config.stash[_BENCHMARKS_DESELECTED]} deselected; run them with "
+              f"`pytest --benchmark-only`")
+    if not _benchmarks_wanted(config):
+        return
+    ran = [r for r in terminalreporter.stats.get("passed", []) if r.nodeid.startswith("benchmarks/")]
+    if not torch.cuda.is_available():
+        write("benchmarks: no CUDA GPU here, so the GPU benchmarks (kernels, engine throughput) were skipped; "
+              "what ran is the CPU tier (bench_host.py: host-side step overhead with the forward stubbed "
+              "out), which is NOT a performance figure", yellow=True)
+    if not ran:
+        write("benchmarks: none ran (see the skip reasons above); this is not a benchmark result",
+              red=True, bold=True)

@@ -89,7 +89,16 @@ class ModelConfig:
         path = Path(path) / "config.json"
         if not path.is_file():
             raise ValueError(f"no config.json in checkpoint directory {path.parent}")
-        return cls.from_dict(json.loads(path.read_text()))
+        try:
+            d = json.loads(path.read_bytes())
+        except ValueError as e:   # JSONDecodeError and UnicodeDecodeError both are
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{path} holds a JSON {type(d).__name__}, not an object of config fields")
+        try:
+            return cls.from_dict(d)
+        except (ValueError, TypeError) as e:   # TypeError: a field of the wrong JSON type, e.g. int([4])
+            raise ValueError(f"{path}: {e}") from None
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":

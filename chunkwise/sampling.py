@@ -1,13 +1,29 @@
 """Sampling parameters, the sampler both engines use, and the output type both engines return."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
 
+from chunkwise.tokenizer import is_int
+
+
+def _real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _fail(name: str, value, expected: str, type_ok: bool):
+    """TypeError for a value of the wrong type, ValueError for one out of range; both name the value."""
+    error = ValueError if type_ok else TypeError
+    raise error(f"SamplingParams.{name} must be {expected}, got {value!r} ({type(value).__name__})")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """Checked in full at construction, so a bad value never reaches an engine's step. Numbers are
+    normalised (temperature and top_p to float, stop_token_ids to a tuple of int)."""
     max_tokens: int = 16
     temperature: float = 0.0          # 0 is greedy
     top_k: int = 0                    # 0 keeps every token
@@ -18,16 +34,39 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        def check_int(name, lo, optional=False):
+            v = getattr(self, name)
+            if optional and v is None:
+                return
+            expected = f"{'None or ' if optional else ''}an integer >= {lo}"
+            if not is_int(v) or v < lo:
+                _fail(name, v, expected, is_int(v))
+            object.__setattr__(self, name, int(v))
+
+        check_int("max_tokens", 1)
+        check_int("top_k", 0)
+        check_int("logprobs", 0, optional=True)
+        if self.seed is not None:
+            if not is_int(self.seed):
+                _fail("seed", self.seed, "None or an integer", False)
+            object.__setattr__(self, "seed", int(self.seed))
+        t = self.temperature
+        if not _real(t) or not math.isfinite(t) or t < 0:
+            _fail("temperature", t, "a finite real number >= 0 (0 is greedy)", _real(t))
+        object.__setattr__(self, "temperature", float(t))
+        p = self.top_p
+        if not _real(p) or not math.isfinite(p) or not 0.0 < p <= 1.0:
+            _fail("top_p", p, "a real number in (0, 1]", _real(p))
+        object.__setattr__(self, "top_p", float(p))
+        if not isinstance(self.ignore_eos, bool):
+            _fail("ignore_eos", self.ignore_eos, "a bool", False)
+        stops = self.stop_token_ids
+        if isinstance(stops, (str, bytes, dict)) or not hasattr(stops, "__iter__"):
+            _fail("stop_token_ids", stops, "a list or tuple of token ids (one id is [id])", False)
+        stops = tuple(stops)
+        if not all(is_int(t) and t >= 0 for t in stops):
+            _fail("stop_token_ids", stops, "token ids, integers >= 0", all(is_int(t) for t in stops))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
 
     @property
     def greedy(self) -> bool:
@@ -61,21 +100,29 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> torch.
     return gen
 
 
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution [vocab] float32 a non-greedy request draws from, given a row of logits [vocab]:
+    temperature, then top-k, then top-p, with the tie and boundary rules of HF transformers' logits
+    warpers (and vLLM's sampler), so the same logits give the same distribution as there."""
+    logits = logits.float() / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))  # every token tied with the k-th stays
+    if params.top_p < 1.0:
+        # Drop the least likely tokens while their mass stays <= 1 - top_p; the most likely always stays.
+        # Ascending order decides which of several tied tokens at the cut go, as HF's warper does.
+        sorted_logits, order = torch.sort(logits)
+        drop = torch.softmax(sorted_logits, dim=-1).cumsum(-1) <= 1 - params.top_p
+        drop[-1] = False
+        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from a row of logits [vocab]; greedy takes the first maximum."""
     if params.greedy:
         return int(torch.argmax(logits))
-    logits = logits.float() / params.temperature
-    if params.top_k:
-        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        drop = probs.cumsum(-1) - probs >= params.top_p  # keep the smallest set reaching top_p
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(torch.multinomial(sampling_probs(logits, params), 1, generator=generator))
 
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> dict[int, float]:

@@ -55,6 +55,11 @@ def encode_prompts(prompts, tokenizer, cfg: ModelConfig) -> list[list[int]]:
                 raise ValueError(f"prompt {i} is empty")
             if tokenizer is None:
                 raise ValueError(f"prompt {i} is text but the checkpoint has no tokenizer; pass token ids")
+            try:
+                p.encode("utf-8")
+            except UnicodeEncodeError as e:   # e.g. a lone surrogate, which no tokenizer can encode
+                raise ValueError(f"prompt {i} is not valid Unicode text: {e.reason} at character {e.start} "
+                                 f"({p[e.start]!r})") from None
             ids = list(tokenizer.encode(p))
         elif isinstance(p, (list, tuple)):
             ids = list(p)

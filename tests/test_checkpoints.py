@@ -1,11 +1,20 @@
-"""Tiny checkpoint factory, resolve_model, and safetensors loading with its errors."""
+"""Tiny checkpoint factory, the checkpoint cache, resolve_model, and safetensors loading with its errors."""
+import fcntl
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from chunkwise.cache import cached_dir
 from chunkwise.checkpoints import resolve_model, tiny_checkpoint
 from chunkwise.config import ModelConfig
 from chunkwise.sampling import SamplingParams
@@ -30,6 +39,7 @@ def test_factory_is_deterministic_per_seed_and_cached(tmp_path, monkeypatch):
     stamp = (a / "model.safetensors").stat().st_mtime_ns
     assert tiny_checkpoint("qwen3", seed=3) == a
     assert (a / "model.safetensors").stat().st_mtime_ns == stamp          # reused, not rewritten
+    assert (a / "model.safetensors").stat().st_mode & 0o777 == 0o644      # safetensors writes it 0600
     first = load_weights(a)
     shutil.rmtree(a)
     again = load_file(tiny_checkpoint("qwen3", seed=3) / "model.safetensors")
@@ -52,6 +62,72 @@ def test_final_norm_is_widened_and_greedy_output_varies(family, reference_engine
     assert torch.all(eng.model.w["model.norm.weight"] == (7.0 if plus_one else 8.0))
     out = eng.generate(random_prompt(16, eng.config.vocab_size), SamplingParams(max_tokens=24, ignore_eos=True))
     assert len(set(out[0].token_ids)) >= 8, out[0].token_ids
+
+
+# --- the cache --------------------------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+SLOW_BUILD = """
+import sys, time
+from pathlib import Path
+from chunkwise.cache import cached_dir
+
+def build(out):
+    (out / "model.safetensors").write_bytes(b"half")
+    print("building", flush=True)
+    time.sleep(120)
+
+cached_dir(Path(sys.argv[1]), "k1", build)
+"""
+
+
+def _write_config(out: Path):
+    (out / "config.json").write_text("{}")
+
+
+def test_temp_dir_of_a_build_killed_by_sigterm_is_swept_by_the_next_build(tmp_path):
+    target = tmp_path / "ckpt"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_BUILD, str(target)], stdout=subprocess.PIPE, text=True,
+                            env=env, cwd=REPO)
+    try:
+        assert proc.stdout.readline() == "building\n"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    orphans = [p.name for p in tmp_path.iterdir() if p.name.startswith(".ckpt.tmp")]
+    assert len(orphans) == 1                       # what the killed build left behind
+    assert cached_dir(target, "k1", _write_config) == target
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckpt.lock", "ckpt"]
+
+
+def test_cached_files_are_readable_like_their_directory(tmp_path):
+    def private_build(out: Path):
+        (out / "sub").mkdir(mode=0o700)
+        for path in (out / "model.safetensors", out / "sub" / "tokenizer.json"):
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    target = cached_dir(tmp_path / "ckpt", "k1", private_build)
+    assert [oct(p.stat().st_mode & 0o777) for p in (target, target / "sub")] == ["0o755", "0o755"]
+    for path in (target / "model.safetensors", target / "sub" / "tokenizer.json", target / "COMPLETE"):
+        assert path.stat().st_mode & 0o444 == 0o444, path
+
+
+def test_a_build_waiting_on_another_process_lock_says_so(tmp_path, capsys):
+    target = tmp_path / "ckpt"
+    with open(tmp_path / ".ckpt.lock", "w") as lock:   # another open file description: flock conflicts
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        waiter = threading.Thread(target=cached_dir, args=(target, "k1", _write_config))
+        waiter.start()
+        err, deadline = "", time.monotonic() + 30
+        try:
+            while "waiting for another process" not in err and time.monotonic() < deadline:
+                time.sleep(0.05)
+                err += capsys.readouterr().err
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            waiter.join(timeout=30)
+    assert f"waiting for another process to finish building {target}" in err
+    assert (target / "config.json").is_file()
 
 
 def test_unknown_family_is_rejected():

@@ -97,3 +97,17 @@ def test_sliding_layers_without_a_window_are_rejected():
 def test_missing_config_json_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="config.json"):
         ModelConfig.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"{not json", "is not valid JSON"),
+    (b"\xff\xfe{}", "is not valid JSON"),
+    (b"[1, 2]", "holds a JSON list"),
+    (b'"llama"', "holds a JSON str"),
+    (json.dumps(dict(hf_config_dict("llama"), hidden_size=[64])).encode(), "hidden_size|list"),
+])
+def test_unreadable_config_json_is_a_value_error_naming_its_path(tmp_path, content, message):
+    (tmp_path / "config.json").write_bytes(content)
+    with pytest.raises(ValueError, match=message) as info:
+        ModelConfig.from_dir(tmp_path)
+    assert str(tmp_path / "config.json") in str(info.value)

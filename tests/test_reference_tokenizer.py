@@ -1,6 +1,7 @@
 """Text prompts through the checkpoint's HF tokenizer: encoding, decoded output text, chat templates."""
 import pytest
 
+from chunkwise.config import ModelConfig
 from chunkwise.tokenizer import chat_prompt, encode_prompts, load_tokenizer
 from reference import Engine, SamplingParams
 
@@ -33,3 +34,10 @@ def test_empty_text_prompt_is_named(tiny_ckpt_with_tokenizer):
     eng = Engine(tiny_ckpt_with_tokenizer)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         encode_prompts(["the dog", ""], eng.tokenizer, eng.config)
+
+
+def test_lone_surrogate_in_a_text_prompt_is_named(tiny_ckpt_with_tokenizer):
+    tok = load_tokenizer(tiny_ckpt_with_tokenizer)
+    cfg = ModelConfig.from_dir(tiny_ckpt_with_tokenizer)
+    with pytest.raises(ValueError, match=r"prompt 1 is not valid Unicode text: .* character 4 \('\\udc80'\)"):
+        encode_prompts(["the dog", "the \udc80 dog"], tok, cfg)

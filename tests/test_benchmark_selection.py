@@ -1,0 +1,33 @@
+"""`pytest --benchmark-only` from the root runs benchmarks/ (and only benchmarks), while a plain test run
+deselects them and says how to run them."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def collect(*args: str) -> list[str]:
+    """pytest's --collect-only output from the repo root with `args`."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           *args],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout.splitlines()
+
+
+def test_benchmark_only_collects_the_benchmarks_and_nothing_else():
+    ids = [line for line in collect("--benchmark-only") if "::" in line]     # no path: testpaths
+    assert any(i.startswith("benchmarks/bench_host.py::") for i in ids)
+    assert any(i.startswith("benchmarks/bench_kernels.py::") for i in ids)
+    assert ids and all(i.startswith("benchmarks/") for i in ids), ids
+
+
+def test_a_plain_test_run_deselects_the_benchmarks_and_says_so():
+    lines = collect("-m", "not gpu and not slow", "benchmarks", "tests/test_config.py")
+    ids = [line for line in lines if "::" in line]
+    assert ids and not any(i.startswith("benchmarks/") for i in ids)
+    assert any(line.startswith("benchmarks: ") and "deselected; run them with `pytest --benchmark-only`" in line
+               for line in lines)
