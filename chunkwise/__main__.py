@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from chunkwise.checkpoints import REAL_NAMES, TINY_NAMES
-from chunkwise.requests import DTYPES
+from chunkwise.engine_config import DTYPES
 from chunkwise.sampling import SamplingParams
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
@@ -95,14 +95,11 @@ def counted(engine, method: str, tokens_of, bar):
         delattr(engine, method)
 
 
-# How each engine reveals generated tokens while `generate` runs: the optimized engine's steps return them;
-# the reference runs one full forward (`logits`) per generated token.
-TOKEN_COUNTERS = {"optimized": ("step", lambda steps: sum(len(s.new_token_ids) for s in steps)),
-                  "reference": ("logits", lambda _: 1)}
-
-
 def run_engine(kind: str, args, params: SamplingParams, prompt=None):
-    """Load `kind`'s engine and generate with a live token counter; (engine, prompt, output, load s, gen s)."""
+    """Load `kind`'s engine and generate with live progress; (engine, prompt, output, load s, gen s).
+
+    The optimized engine's own progress bar counts generated tokens; the reference has none, so its
+    tokens are counted by its forwards (one full `logits` pass per generated token)."""
     module = importlib.import_module(kind)
     start = time.perf_counter()
     engine = module.Engine(args.model, dtype=args.dtype, page_size=args.page_size)
@@ -111,11 +108,13 @@ def run_engine(kind: str, args, params: SamplingParams, prompt=None):
         prompt, note = choose_prompt(args, engine)
         if note:
             print(note)
-    method, tokens_of = TOKEN_COUNTERS[kind]
-    # delay: no bar for a request refused at once, so its error stays one clean line
-    with tqdm(total=params.max_tokens, desc=f"{kind}.Engine", unit="tok", file=sys.stderr, leave=False,
-              delay=0.5) as bar, counted(engine, method, tokens_of, bar):
-        out = engine.generate([prompt], params, chunk_sizes=args.chunk_size)[0]
+    if kind == "optimized":
+        out = engine.generate([prompt], params, chunk_sizes=args.chunk_size, use_tqdm=True)[0]
+    else:
+        # delay: no bar for a request refused at once, so its error stays one clean line
+        with tqdm(total=params.max_tokens, desc=f"{kind}.Engine", unit="tok", file=sys.stderr, leave=False,
+                  delay=0.5) as bar, counted(engine, "logits", lambda _: 1, bar):
+            out = engine.generate([prompt], params, chunk_sizes=args.chunk_size)[0]
     return engine, prompt, out, loaded - start, time.perf_counter() - loaded
 
 

@@ -175,17 +175,21 @@ class Engine:
                 self._claims[r] = []
         show = len(rids) >= TQDM_MIN_PROMPTS if use_tqdm is None else use_tqdm
         done: dict[int, RequestOutput] = {}
+        generated = 0
         try:
-            with tqdm(total=len(rids), desc="generate", disable=not show) as bar:
+            with tqdm(total=len(rids), desc="optimized.Engine.generate", unit="req", disable=not show,
+                      leave=False, delay=0.5) as bar:
                 while len(done) < len(rids):
                     with self._lock:
                         self._backlog += self._route(self._step())
                         for r in rids:
                             for o in self._claims[r]:
+                                generated += len(o.new_token_ids)
                                 if o.finished:
                                     done[r] = o.output
                                     bar.update(1)
                             self._claims[r].clear()
+                    bar.set_postfix_str(f"{generated} tokens generated", refresh=False)
         finally:
             with self._lock:
                 for r in rids:

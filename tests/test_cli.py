@@ -12,7 +12,8 @@ from tqdm.auto import tqdm
 import chunkwise.__main__ as cli
 from chunkwise.checkpoints import REAL_NAMES, TINY_NAMES
 from chunkwise.config import ModelConfig
-from chunkwise.requests import DTYPES
+import optimized.engine
+from chunkwise.engine_config import DTYPES
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,6 +28,7 @@ def bars(monkeypatch):
             super().__init__(*a, **kw)
             made.append(self)
     monkeypatch.setattr(cli, "tqdm", Recorded)
+    monkeypatch.setattr(optimized.engine, "tqdm", Recorded)
     return made
 
 
@@ -35,7 +37,8 @@ def test_tiny_builtin_with_prompt_ids_runs_both_engines_and_counts_tokens(capsys
     out = capsys.readouterr().out
     assert "random" not in out and "identical: 4 tokens" in out
     assert out.count("load ") == 2 and out.count("+ generate") == 2      # times include loading
-    assert [(b.desc, b.n) for b in bars] == [("optimized.Engine", 4), ("reference.Engine", 4)]
+    assert [(b.desc, b.n) for b in bars] == [("optimized.Engine.generate", 1), ("reference.Engine", 4)]
+    assert bars[0].postfix == "4 tokens generated"
 
 
 def test_tiny_builtin_without_prompt_takes_a_seeded_random_prompt_and_says_so(capsys, tiny_ckpt):
