@@ -145,7 +145,7 @@ def test_merge_splits_result_is_unchanged_by_shifting_every_lse(shift, device):
 
     torch.testing.assert_close(base, merge_splits_ref(partial_out, partial_lse, torch.empty_like(base)),
                                **TOLERANCE[torch.float32])
-    assert not shifted.isnan().any()
+    assert not shifted.isnan().any(), f"shift {shift}: the merged output holds NaN"
     assert torch.equal(shifted, base), f"shift {shift}: max change {(shifted - base).abs().max().item():.3g}"
 
 
