@@ -40,5 +40,6 @@ def test_bf16_tokens_agree_until_a_near_tie(name):
     ref = reference.Engine(ckpt, dtype="bfloat16", max_model_len=512).generate(prompts, params)
     agreed = [check_logprobs_close(o, r, f"{name} request {i}") for i, (o, r) in enumerate(zip(opt, ref))]
     print(f"{name}: tokens agreed before a divergence, per request: {agreed} of {params.max_tokens}")
+    # H200, triton 3.6 (2026-11-22): the fewest agreed was tiny-qwen3's [7, 24, 0, 24]; the floor is 32 of 96.
     assert sum(agreed) >= MIN_AGREED_SHARE * params.max_tokens * len(prompts), \
         f"{name}: only {agreed} of {params.max_tokens} tokens per request agreed before a divergence"
