@@ -1,6 +1,6 @@
 """store_kv and paged_attention against their PyTorch references, and the bitwise invariance of attention rows.
 
-Runs on CPU through Triton's interpreter (float32 and float16) and on a GPU alike; sizes stay small because
+Runs on CPU through Triton's interpreter (float32, float16 and bfloat16) and on a GPU alike; sizes stay small because
 the interpreter is slow. Production sizes live in test_kernels_gpu.py.
 """
 import pytest
