@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import (LOG2E, attend_ref, attend_tiles, check_cache, check_window, gather_kv_ref,
+from kernels.attention_tile import (LOG2E, attend_ref, attend_tiles, cast, check_cache, check_window, gather_kv_ref,
                                     precision_for)
 
 
@@ -140,7 +140,7 @@ def _paged_attention_kernel(
     # Padding rows see no key (l_i = 0); only they would divide by zero, and they are not stored.
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + row_tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=io_mask)
+             cast(o, out_ptr.dtype.element_ty), mask=io_mask)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import (LOG2E, attend_ref, attend_tiles, check_cache, check_window, gather_kv_ref,
+from kernels.attention_tile import (LOG2E, attend_ref, attend_tiles, cast, check_cache, check_window, gather_kv_ref,
                                     pages_per_tile, precision_for)
 
 DEFAULT_SPLIT_SIZE = 512
@@ -74,7 +74,7 @@ def _merge_kernel(
         acc += w * o
         total += w
     total = tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + s * stride_os + h * stride_oh + d, (acc / total).to(out_ptr.dtype.element_ty), mask=d_ok)
+    tl.store(out_ptr + s * stride_os + h * stride_oh + d, cast(acc / total, out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def merge_splits(partial_out, partial_lse, out):

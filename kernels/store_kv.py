@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_tile import cast
+
 # Elements of K (and as many of V) per program. GPU: 16 KiB of fp32 each, 32 values per thread at 4 warps.
 # Interpreter: every program costs milliseconds of Python, so it gets tiles as large as numpy handles without
 # strain (measured, 512 tokens x 2 heads x d64 fp32: 2 s as 512 one-token programs, 108 ms as 16, 21 ms as 1).
@@ -72,8 +74,8 @@ def _store_kv_kernel(
     v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
     k_dst = k_cache_ptr + page * stride_cp + offset * stride_cs + h * stride_ch + d
     v_dst = v_cache_ptr + page * stride_dp + offset * stride_ds + h * stride_dh + d
-    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_dst, cast(k, k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, cast(v, v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping):

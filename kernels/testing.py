@@ -9,10 +9,11 @@ from dataclasses import dataclass
 import torch
 
 # The dtypes the interpreter tests run, and their tolerances against the float32 references: fp32 differs only
-# by exp2-vs-exp rounding; fp16 rounds P to fp16 before the PV product and the output to fp16 (2^-11 relative
-# each).
-DTYPES = [torch.float32, torch.float16]
-TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+# by exp2-vs-exp rounding; fp16 and bf16 round P before the PV product and the output (2^-11 and 2^-8 relative
+# each; P's rounding moves the output by at most that fraction of max |v|, about 4 for these inputs).
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
+             torch.bfloat16: dict(atol=2e-2, rtol=1e-2)}
 
 
 @dataclass
@@ -31,19 +32,35 @@ def random_kv(seq_len, num_kv_heads, head_dim, dtype, generator, device="cpu"):
     return k.to(device), v.to(device)
 
 
+def rising_scores(q, k, rise=0.05):
+    """(q, k) with every query's score against key position p raised by about rise * p * 4 / sqrt(head_dim):
+    each later KV tile holds larger scores, so the online softmax must rescale what it has accumulated.
+
+    q [n, num_heads, head_dim], k [seq_len, num_kv_heads, head_dim]: both gain a multiple of one unit direction.
+    """
+    head_dim = k.shape[-1]
+    u = torch.ones(head_dim, device=k.device) / head_dim ** 0.5
+    pos = torch.arange(k.shape[0], device=k.device, dtype=torch.float32)
+    return ((q.float() + 4 * u).to(q.dtype),
+            (k.float() + rise * pos[:, None, None] * u).to(k.dtype))
+
+
 def paginate(kv_seqs, page_size, generator, spare_pages=3, extra_table_cols=1, poison=float("nan")):
     """Place sequences [(k, v), ...] into randomly permuted pages of a fresh pool.
 
-    Unused pages, the slots past each sequence's end and the unused block-table columns are filled so that
-    reading them would show: the cache with `poison` (NaN by default), the table with random page ids.
+    Everything a sequence must not read is made to show if read: the spare pages and the slots past each
+    sequence's end hold `poison` (NaN by default), and the unused block-table columns point at spare pages.
     """
+    if spare_pages < 1:
+        raise ValueError(f"spare_pages must be >= 1 (unused table columns point at them), got {spare_pages}")
     k0 = kv_seqs[0][0]
     device, dtype, (num_kv_heads, head_dim) = k0.device, k0.dtype, k0.shape[1:]
     pages_per_seq = [-(-k.shape[0] // page_size) for k, _ in kv_seqs]
     num_pages = sum(pages_per_seq) + spare_pages
     order = torch.randperm(num_pages, generator=generator).tolist()
     width = max(pages_per_seq) + extra_table_cols
-    table = torch.randint(0, num_pages, (len(kv_seqs), width), generator=generator, dtype=torch.int32)
+    spare = torch.tensor(order[sum(pages_per_seq):], dtype=torch.int32)
+    table = spare[torch.randint(0, spare_pages, (len(kv_seqs), width), generator=generator)]
     k_cache = torch.full((num_pages, page_size, num_kv_heads, head_dim), poison, dtype=dtype)
     v_cache = torch.full_like(k_cache, poison)
     for s, ((k, v), n) in enumerate(zip(kv_seqs, pages_per_seq)):

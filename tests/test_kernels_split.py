@@ -7,7 +7,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kernels import merge_splits, merge_splits_ref, paged_attention, split_kv_decode, split_kv_decode_ref
-from kernels.testing import DTYPES, TOLERANCE, paginate, query_start_loc, random_kv
+from kernels.testing import DTYPES, TOLERANCE, paginate, query_start_loc, random_kv, rising_scores
 
 pytestmark = pytest.mark.correctness
 # The properties worth most examples get three times the profile's count (ci: 30, thorough: 900).
@@ -21,27 +21,46 @@ def _decode(fn, cache, q, scale, window, **kw):
               out=torch.full_like(q, float("nan")), **kw)
 
 
+def _table_cols_past_the_end(seq_lens, page_size, split_size):
+    """Unused block-table columns that fill the table to a whole number of splits (at least one column) when
+    page_size divides split_size: a split that reads past its end then reads poisoned pages inside the table,
+    and an assertion fails, rather than reading memory past the table."""
+    pages = max(-(-n // page_size) for n in seq_lens)
+    per_split = split_size // page_size if split_size % page_size == 0 else 1
+    return per_split - pages % per_split
+
+
 @given(heads=st.sampled_from(HEADS), head_dim=st.sampled_from([64, 80, 96, 256]), page_size=st.integers(1, 64),
        seq_lens=st.lists(st.integers(1, 300), min_size=1, max_size=3), split_size=st.sampled_from([64, 128]),
-       window=st.none() | st.integers(1, 200), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+       window=st.none() | st.integers(1, 200), dtype=st.sampled_from(DTYPES), rising=st.booleans(),
+       seed=st.integers(0, 2**16))
 @example(heads=(8, 2), head_dim=64, page_size=16, seq_lens=[64, 1, 65], split_size=64, window=None,
-         dtype=torch.float32, seed=0)
+         dtype=torch.float32, rising=False, seed=0)
 @example(heads=(4, 1), head_dim=80, page_size=1, seq_lens=[200], split_size=64, window=10, dtype=torch.float16,
-         seed=1)
+         rising=False, seed=1)
 @example(heads=(4, 1), head_dim=256, page_size=64, seq_lens=[150, 33], split_size=64, window=None,
-         dtype=torch.float32, seed=2)
+         dtype=torch.float32, rising=False, seed=2)
 @example(heads=(14, 2), head_dim=64, page_size=32, seq_lens=[129, 300], split_size=128, window=70,
-         dtype=torch.float16, seed=3)
+         dtype=torch.float16, rising=False, seed=3)
+@example(heads=(8, 2), head_dim=64, page_size=16, seq_lens=[300, 150], split_size=128, window=None,
+         dtype=torch.float32, rising=True, seed=4)
+@example(heads=(4, 1), head_dim=80, page_size=8, seq_lens=[192, 70], split_size=64, window=None,
+         dtype=torch.bfloat16, rising=True, seed=5)
 @MORE
 def test_split_kv_decode_matches_reference_and_single_pass(
-        heads, head_dim, page_size, seq_lens, split_size, window, dtype, seed, device):
+        heads, head_dim, page_size, seq_lens, split_size, window, dtype, rising, seed, device):
     """Pinned: a split ending exactly at the sequence end, a one-token sequence, a window that leaves
-    the first splits empty, and both per-tile page lookups (a page spanning two 32-key tiles; two pages
-    per 64-key tile); page sizes that are not powers of two take the per-position lookup."""
+    the first splits empty, both per-tile page lookups (a page spanning two 32-key tiles; two pages
+    per 64-key tile), and scores rising along the sequence (every tile raises the running max, later splits
+    outweigh earlier ones); page sizes that are not powers of two take the per-position lookup."""
     num_heads, num_kv_heads = heads
     gen = torch.Generator().manual_seed(seed)
-    cache = paginate([random_kv(n, num_kv_heads, head_dim, dtype, gen, device) for n in seq_lens], page_size, gen)
+    kvs = [random_kv(n, num_kv_heads, head_dim, dtype, gen, device) for n in seq_lens]
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(dtype).to(device)
+    if rising:
+        qs, ks = zip(*(rising_scores(q[s:s + 1], k) for s, (k, _) in enumerate(kvs)))
+        q, kvs = torch.cat(qs), [(k, v) for k, (_, v) in zip(ks, kvs)]
+    cache = paginate(kvs, page_size, gen, extra_table_cols=_table_cols_past_the_end(seq_lens, page_size, split_size))
     scale = head_dim ** -0.5
 
     out = _decode(split_kv_decode, cache, q, scale, window, split_size=split_size)
@@ -107,6 +126,27 @@ def test_merge_splits_weighs_empty_splits_zero_without_nan(num_splits, head_dim,
     padded_out = torch.cat([partial_out, empty_out], dim=2)[:, :, order]
     padded_lse = torch.cat([partial_lse, empty_lse], dim=2)[:, :, order]
     assert torch.equal(merge_splits(padded_out.contiguous(), padded_lse.contiguous(), torch.empty_like(out)), out)
+
+
+@pytest.mark.parametrize("shift", [500.0, -500.0])
+def test_merge_splits_result_is_unchanged_by_shifting_every_lse(shift, device):
+    """The merge weighs split j by exp(lse_j - max lse): shifting every LSE by +-500, where exp(lse) alone
+    overflows or underflows, changes no bit. LSEs on a 2^-10 grid (|lse| < 20 here) stay exact when shifted, so
+    the differences the merge exponentiates are the same numbers."""
+    gen = torch.Generator().manual_seed(0)
+    partial_out, partial_lse = _partials(3, 4, 6, 64, gen)
+    partial_lse = torch.round(partial_lse * 1024) / 1024  # -inf (an empty split) stays -inf
+    partial_out, partial_lse = partial_out.to(device), partial_lse.to(device)
+
+    def merged(lse):
+        return merge_splits(partial_out, lse, torch.full((3, 4, 64), float("nan"), device=device))
+
+    base, shifted = merged(partial_lse), merged(partial_lse + shift)
+
+    torch.testing.assert_close(base, merge_splits_ref(partial_out, partial_lse, torch.empty_like(base)),
+                               **TOLERANCE[torch.float32])
+    assert not shifted.isnan().any(), f"shift {shift}: the merged output holds NaN"
+    assert torch.equal(shifted, base), f"shift {shift}: max change {(shifted - base).abs().max().item():.3g}"
 
 
 def test_split_kv_decode_rejects_split_size_off_the_tile_grid():

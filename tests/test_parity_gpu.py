@@ -1,8 +1,9 @@
 """The low-precision tier of DESIGN.md on the GPU: optimized.Engine against reference.Engine in bf16.
 
 Tokens must agree up to the first divergence; there each side's token must be in the other's top-k and
-the reference must have been nearly undecided between them (vLLM's check_logprobs_close rule); the
-sequence is not compared past that point. Tiny checkpoints of every family and a random model of
+the reference must have been nearly undecided between them (vLLM's check_logprobs_close rule, in
+tests/logprobs_close.py); the sequence is not compared past that point, and a floor on the agreed tokens
+keeps the comparison from passing vacuously. Tiny checkpoints of every family and a random model of
 Qwen3-0.6B's shape. The strict float32 tier runs on the GPU through tests/test_parity.py itself.
 """
 import pytest
@@ -10,13 +11,10 @@ import torch
 
 import reference
 from chunkwise.checkpoints import tiny_checkpoint
+from logprobs_close import MIN_AGREED_SHARE, TOP_K, check_logprobs_close
 from optimized import Engine, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.correctness]
-
-TOP_K = 5
-# A divergence is accepted only where the reference's logprobs of the two tokens differ by less than this.
-MAX_DIVERGENCE_GAP = 0.5
 
 QWEN3_0_6B_SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                         num_attention_heads=16, num_key_value_heads=8, head_dim=128,
@@ -25,20 +23,6 @@ MODELS = {
     "tiny-llama": ("llama", {}), "tiny-mistral": ("mistral", {}), "tiny-qwen2": ("qwen2", {}),
     "tiny-qwen3": ("qwen3", {}), "tiny-gemma3": ("gemma3_text", {}), "qwen3-0.6b-shape": ("qwen3", QWEN3_0_6B_SHAPE),
 }
-
-
-def check_logprobs_close(opt, ref, label: str) -> int:
-    """Compares two outputs with top-k logprobs; returns how many tokens agreed before any divergence."""
-    for pos, (a, b) in enumerate(zip(opt.token_ids, ref.token_ids)):
-        if a == b:
-            continue
-        lp_opt, lp_ref = opt.logprobs[pos], ref.logprobs[pos]
-        assert a in lp_ref, f"{label}: at token {pos} optimized chose {a}, not in the reference's top-{TOP_K} {lp_ref}"
-        assert b in lp_opt, f"{label}: at token {pos} reference chose {b}, not in optimized's top-{TOP_K} {lp_opt}"
-        gap = lp_ref[b] - lp_ref[a]
-        assert gap < MAX_DIVERGENCE_GAP, f"{label}: at token {pos} the reference preferred {b} over {a} by {gap:.3f}"
-        return pos
-    return len(opt.token_ids)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -56,3 +40,6 @@ def test_bf16_tokens_agree_until_a_near_tie(name):
     ref = reference.Engine(ckpt, dtype="bfloat16", max_model_len=512).generate(prompts, params)
     agreed = [check_logprobs_close(o, r, f"{name} request {i}") for i, (o, r) in enumerate(zip(opt, ref))]
     print(f"{name}: tokens agreed before a divergence, per request: {agreed} of {params.max_tokens}")
+    # H200, triton 3.6 (2026-11-22): the fewest agreed was tiny-qwen3's [7, 24, 0, 24]; the floor is 32 of 96.
+    assert sum(agreed) >= MIN_AGREED_SHARE * params.max_tokens * len(prompts), \
+        f"{name}: only {agreed} of {params.max_tokens} tokens per request agreed before a divergence"
