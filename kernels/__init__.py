@@ -12,6 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from kernels.cascade import CascadeGroups, cascade_decode, cascade_decode_ref, cascade_groups  # noqa: E402
 from kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
 from kernels.split_kv import merge_splits, merge_splits_ref, split_kv_decode, split_kv_decode_ref  # noqa: E402
 from kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
@@ -20,4 +21,5 @@ __all__ = [
     "store_kv", "store_kv_ref",
     "paged_attention", "paged_attention_ref",
     "split_kv_decode", "split_kv_decode_ref", "merge_splits", "merge_splits_ref",
+    "CascadeGroups", "cascade_groups", "cascade_decode", "cascade_decode_ref",
 ]

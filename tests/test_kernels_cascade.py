@@ -1,0 +1,214 @@
+"""Cascade decode: bitwise equal to split-KV for every sequence, close to the float32 references, and the
+grouping finds exactly the splits whose keys are the same memory for all their members."""
+import math
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from kernels import (CascadeGroups, cascade_decode, cascade_decode_ref, cascade_groups, split_kv_decode)
+from kernels.attention_tile import attend_ref
+from kernels.testing import DTYPES, TOLERANCE, PagedKV, random_kv
+
+pytestmark = pytest.mark.correctness
+# The tolerance test repeats what the bitwise test and split-KV's own reference test already pin; half the count.
+FEWER = settings(max_examples=max(1, settings.default.max_examples // 2))
+
+
+# A batch is a forest of shared segments: each group has a prefix segment, two optional branch segments (a
+# document some of its members share), and per member a branch choice and a private suffix length. Members of
+# all groups are interleaved by `order`. A group of one member is a sequence with no partner.
+_GROUP = st.tuples(
+    st.integers(0, 260) | st.sampled_from([64, 128, 192]),  # prefix length, often on a split boundary
+    st.tuples(st.integers(0, 130), st.integers(0, 130)),    # branch lengths
+    st.lists(st.tuples(st.sampled_from([None, 0, 1]), st.integers(0, 130)), min_size=1, max_size=5),
+)
+
+
+@st.composite
+def batches(draw):
+    groups = draw(st.lists(_GROUP, min_size=1, max_size=3))
+    return dict(
+        kv_heads=draw(st.integers(1, 2)), group=draw(st.sampled_from([1, 2, 3, 4, 8])),
+        head_dim=draw(st.sampled_from([16, 64, 80])), dtype=draw(st.sampled_from(DTYPES)),
+        page_size=draw(st.integers(1, 64)), split_size=draw(st.sampled_from([64, 128])),
+        window=draw(st.none() | st.integers(1, 300)), groups=groups,
+        order=draw(st.permutations(range(sum(len(g[2]) for g in groups)))), seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def _segments(groups, order):
+    """(segment lengths by id, each sequence's segment ids in order), sequences permuted by `order`."""
+    lengths, paths = {}, []
+    for g, (prefix, branches, members) in enumerate(groups):
+        lengths[g, "prefix"] = prefix
+        for b, n in enumerate(branches):
+            lengths[g, b] = n
+        for m, (branch, suffix) in enumerate(members):
+            lengths[g, m, "own"] = max(suffix, 1 if prefix + (0 if branch is None else branches[branch]) == 0 else 0)
+            paths.append([(g, "prefix")] + ([] if branch is None else [(g, branch)]) + [(g, m, "own")])
+    return lengths, [paths[i] for i in order]
+
+
+def _page_keys(lengths, path, page_size):
+    """One key per page of the sequence: pages whose content is the same segments up to their end, and which
+    they fill, share a key (as a prefix cache would share them); a partly filled last page is private."""
+    ends = torch.tensor([lengths[s] for s in path]).cumsum(0).tolist()
+    keys = []
+    for k in range(-(-ends[-1] // page_size)):
+        end = (k + 1) * page_size
+        covered = next(i for i, e in enumerate(ends) if e >= end) if end <= ends[-1] else None
+        keys.append(("shared", k, tuple(path[:covered + 1])) if covered is not None else ("own", tuple(path), k))
+    return keys
+
+
+def _tables(lengths, paths, page_size, gen, extra_cols=1):
+    """Block tables (random page ids, random entries past each sequence's pages) and the page keys behind them."""
+    keys = [_page_keys(lengths, p, page_size) for p in paths]
+    distinct = list(dict.fromkeys(k for ks in keys for k in ks))
+    ids = dict(zip(distinct, torch.randperm(len(distinct) + 3, generator=gen).tolist()))
+    width = max(len(ks) for ks in keys) + extra_cols
+    table = torch.randint(0, len(distinct) + 3, (len(paths), width), generator=gen, dtype=torch.int32)
+    for s, ks in enumerate(keys):
+        table[s, :len(ks)] = torch.tensor([ids[k] for k in ks], dtype=torch.int32)
+    return table, len(distinct) + 3
+
+
+def _build(spec, device):
+    """(PagedKV with NaN in every unused slot, q, each sequence's contiguous (k, v)) for a drawn batch."""
+    gen = torch.Generator().manual_seed(spec["seed"])
+    kv_heads, head_dim, dtype, page_size = spec["kv_heads"], spec["head_dim"], spec["dtype"], spec["page_size"]
+    lengths, paths = _segments(spec["groups"], spec["order"])
+    table, num_pages = _tables(lengths, paths, page_size, gen)
+    seg_kv = {s: random_kv(n, kv_heads, head_dim, dtype, gen) for s, n in lengths.items()}
+    k_cache = torch.full((num_pages, page_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    seqs = []
+    for s, path in enumerate(paths):
+        k = torch.cat([seg_kv[p][0] for p in path])
+        v = torch.cat([seg_kv[p][1] for p in path])
+        pos = torch.arange(k.shape[0])
+        k_cache[table[s, pos // page_size].long(), pos % page_size] = k
+        v_cache[table[s, pos // page_size].long(), pos % page_size] = v
+        seqs.append((k.to(device), v.to(device)))
+    seq_lens = torch.tensor([k.shape[0] for k, _ in seqs], dtype=torch.int32)
+    q = torch.randn(len(paths), kv_heads * spec["group"], head_dim, generator=gen).to(dtype)
+    cache = PagedKV(k_cache.to(device), v_cache.to(device), table.to(device), seq_lens.to(device))
+    return cache, q.to(device), seqs
+
+
+def _run(fn, cache, q, spec, groups):
+    return fn(q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, *([] if groups is None else [groups]),
+              spec["head_dim"] ** -0.5, sliding_window=spec["window"], split_size=spec["split_size"],
+              out=torch.full_like(q, float("nan")))
+
+
+def _spec(groups, order=None, **kw):
+    spec = dict(kv_heads=2, group=4, head_dim=64, dtype=torch.float32, page_size=16, split_size=64, window=None,
+                groups=groups, order=order or list(range(sum(len(g[2]) for g in groups))), seed=0)
+    return {**spec, **kw}
+
+
+@given(spec=batches())
+# Four members sharing exactly two splits (prefix on the boundary), one with no partner, interleaved.
+@example(spec=_spec([(128, (0, 0), [(None, 5), (None, 70), (None, 0), (None, 130)]), (100, (0, 0), [(None, 40)])],
+                    order=[4, 0, 2, 1, 3]))
+# A prefix shorter than one split (nothing shared) beside a tree: a branch shared by two of three members.
+@example(spec=_spec([(40, (0, 0), [(None, 3), (None, 9)]), (64, (100, 20), [(0, 1), (0, 50), (1, 7)])],
+                    kv_heads=1, group=3, head_dim=80, dtype=torch.float16, page_size=7, split_size=64))
+# A window starting inside the shared prefix: the member with the longest suffix sees none of split 0.
+@example(spec=_spec([(192, (0, 0), [(None, 1), (None, 60), (None, 120)])], window=100, page_size=1,
+                    head_dim=16, group=1))
+def test_cascade_decode_is_bitwise_equal_to_split_kv_decode(spec, device):
+    cache, q, _ = _build(spec, device)
+    groups = cascade_groups(cache.block_tables.cpu(), cache.seq_lens.cpu(), spec["page_size"], spec["split_size"])
+    cascade = _run(cascade_decode, cache, q, spec, groups.to(device))
+    split = _run(split_kv_decode, cache, q, spec, None)
+
+    assert not cascade.isnan().any()
+    assert torch.equal(cascade, split)
+
+
+@given(spec=batches())
+@example(spec=_spec([(128, (64, 0), [(0, 5), (0, 70), (None, 3)])], window=90, dtype=torch.float16))
+@FEWER
+def test_cascade_decode_matches_its_reference_and_full_attention(spec, device):
+    cache, q, seqs = _build(spec, device)
+    groups = cascade_groups(cache.block_tables.cpu(), cache.seq_lens.cpu(), spec["page_size"],
+                            spec["split_size"]).to(device)
+    out = _run(cascade_decode, cache, q, spec, groups)
+    ref = _run(cascade_decode_ref, cache, q, spec, groups)
+    full = torch.stack([attend_ref(q[s:s + 1], k, v, torch.tensor([k.shape[0] - 1], device=device),
+                                   spec["head_dim"] ** -0.5, spec["window"])[0][0] for s, (k, v) in enumerate(seqs)])
+
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, **TOLERANCE[spec["dtype"]])
+    torch.testing.assert_close(out, full.to(out.dtype), **TOLERANCE[spec["dtype"]])
+
+
+def _shared_splits_by_definition(tables, seq_lens, page_size, split_size):
+    """{(j, members)}: for each split j, the sequences holding it whole whose tables agree on every page up to
+    its end, where two or more do."""
+    nodes = {}
+    for s, n in enumerate(seq_lens):
+        for j in range(n // split_size):
+            last_page = ((j + 1) * split_size - 1) // page_size
+            nodes.setdefault((j, tuple(tables[s][:last_page + 1])), []).append(s)
+    return {(j, tuple(m)) for (j, _), m in nodes.items() if len(m) > 1}
+
+
+@given(groups=st.lists(_GROUP, min_size=1, max_size=4), data=st.data())
+@example(groups=[(128, (0, 0), [(None, 0), (None, 0)])], data=None)  # twins ending exactly on a split boundary
+# Twins ending on a page boundary inside split 1: their zero padding agrees, but split 1 is not theirs whole.
+@example(groups=[(96, (0, 0), [(None, 0), (None, 0)])], data=None)
+def test_cascade_groups_shares_exactly_the_splits_whose_pages_all_members_hold(groups, data):
+    page_size, split_size, order = 16, 64, None
+    if data is not None:
+        page_size = data.draw(st.integers(1, 64), label="page_size")
+        split_size = data.draw(st.sampled_from([16, 64, 128]), label="split_size")
+        order = data.draw(st.permutations(range(sum(len(g[2]) for g in groups))), label="order")
+    lengths, paths = _segments(groups, order or range(sum(len(g[2]) for g in groups)))
+    table, _ = _tables(lengths, paths, page_size, torch.Generator().manual_seed(0))
+    seq_lens = [sum(lengths[s] for s in p) for p in paths]
+    # Zero padding, as the engine pads its tables: entries past a sequence's pages must not count as shared.
+    padded = [row[:-(-n // page_size)] + [0] * 4 for row, n in zip(table.tolist(), seq_lens)]
+
+    g = cascade_groups(padded, torch.tensor(seq_lens, dtype=torch.int32), page_size, split_size)
+
+    starts = g.starts.tolist()
+    found = {(j, tuple(g.members[starts[i]:starts[i + 1]].tolist())) for i, j in enumerate(g.split.tolist())}
+    assert len(found) == g.num_shared
+    assert found == _shared_splits_by_definition(padded, seq_lens, page_size, split_size)
+    for s in range(len(paths)):  # a sequence's shared splits are exactly splits 0..shared_splits[s]-1
+        assert sorted(j for j, m in found if s in m) == list(range(g.shared_splits[s]))
+    assert g.max_members == max((len(m) for _, m in found), default=0)
+    assert all(list(m) == sorted(m) for _, m in found)
+
+
+def test_cascade_groups_and_decode_reject_inconsistent_input():
+    with pytest.raises(ValueError, match="2 block tables but 1 seq_lens"):
+        cascade_groups([[0], [0]], [3], 4, 64)
+    with pytest.raises(ValueError, match="sequence 1: seq_len 9 must be >= 1 and fit its 2 pages of 4"):
+        cascade_groups([[0, 1], [0, 2]], [8, 9], 4, 64)
+    with pytest.raises(ValueError, match="sequence 0: seq_len 0"):
+        cascade_groups([[0]], [0], 4, 64)
+    with pytest.raises(ValueError, match="split_size must be a positive int, got 0"):
+        cascade_groups([[0]], [1], 4, 0)
+
+    spec = _spec([(128, (0, 0), [(None, 5), (None, 9)])])
+    cache, q, _ = _build(spec, "cpu")
+    groups = cascade_groups(cache.block_tables, cache.seq_lens, 16, 64)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens)
+    with pytest.raises(ValueError, match="groups were made for split_size 64, not 128"):
+        cascade_decode(*args, groups, 0.125, split_size=128)
+    with pytest.raises(ValueError, match="groups cover 1 sequences, the batch has 2"):
+        cascade_decode(*args, cascade_groups(cache.block_tables[:1], cache.seq_lens[:1], 16, 64), 0.125,
+                       split_size=64)
+    with pytest.raises(TypeError, match="groups must be a CascadeGroups"):
+        cascade_decode(*args, {"split": groups.split}, 0.125, split_size=64)
+    wrong = CascadeGroups(groups.split.long(), groups.starts, groups.members, groups.shared_splits,
+                          groups.max_members, 64)
+    with pytest.raises(ValueError, match="groups.split must be int32"):
+        cascade_decode(*args, wrong, 0.125, split_size=64)
+    assert math.isfinite(cascade_decode(*args, groups, 0.125, split_size=64).sum().item())
