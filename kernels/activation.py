@@ -27,13 +27,6 @@ def act_and_mul_ref(gate_up, act, out=None):
 
 
 @triton.jit
-def _sigmoid(z):
-    """1 / (1 + exp(-z)) with exp of a non-positive argument only: no overflow to inf for z << 0."""
-    e = tl.exp(-tl.abs(z))
-    return tl.where(z >= 0, 1.0, e) / (1.0 + e)
-
-
-@triton.jit
 def _act_and_mul_kernel(
     gate_up_ptr,    # [num_tokens, 2 * inter]
     out_ptr,        # [num_tokens, inter]
@@ -47,9 +40,12 @@ def _act_and_mul_kernel(
     up = tl.load(gate_up_ptr + row * stride_g + inter + col, mask=mask, other=0.0).to(tl.float32)
     if GELU_TANH:
         # 0.5 * x * (1 + tanh(u)) == x * sigmoid(2u), u = sqrt(2 / pi) * (x + 0.044715 x^3): no tanh needed.
-        a = gate * _sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
+        z = 1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)
     else:
-        a = gate * _sigmoid(gate)
+        z = gate
+    # sigmoid(z) with exp of a non-positive argument only: no overflow to inf for z << 0.
+    e = tl.exp(-tl.abs(z))
+    a = gate * tl.where(z >= 0, 1.0, e) / (1.0 + e)
     dtype = out_ptr.dtype.element_ty
     tl.store(out_ptr + row * stride_o + col, (a.to(dtype).to(tl.float32) * up).to(dtype), mask=mask)
 

@@ -47,19 +47,12 @@ def add_rms_norm_ref(x, residual, weight, eps, plus_one, pre_weight=None, out=No
 
 @triton.jit
 def weigh(xn, w, PLUS_ONE: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """Normalized rows xn [R, C] float32 times the weight w [C] (any dtype), rounded to OUT_DTYPE at the
-    models' rounding points. Also used by the q/k-norm of `rope_store`."""
+    """Normalized rows xn [R, C] float32 times the weight w ([1, C] or [R, C], any dtype), rounded to OUT_DTYPE
+    at the models' rounding points. Also used by the q/k-norm of `rope_store`."""
     if PLUS_ONE:
-        return (xn * (1.0 + w.to(tl.float32))[None, :]).to(OUT_DTYPE)
+        return (xn * (1.0 + w.to(tl.float32))).to(OUT_DTYPE)
     # Llama: round to the dtype first, then the product in the dtype (exact in float32, rounded once).
-    return (xn.to(OUT_DTYPE).to(tl.float32) * w.to(tl.float32)[None, :]).to(OUT_DTYPE)
-
-
-@triton.jit
-def _normalize(x, w, n_cols, eps, PLUS_ONE: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """Rows of x [R, C] float32 (masked columns 0) normalized over their n_cols columns and weighed."""
-    inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
-    return weigh(x * inv_rms[:, None], w, PLUS_ONE, OUT_DTYPE)
+    return (xn.to(OUT_DTYPE).to(tl.float32) * w.to(tl.float32)).to(OUT_DTYPE)
 
 
 @triton.jit
@@ -80,17 +73,21 @@ def _rms_norm_kernel(
     col_ok = col < hidden
     mask = (row < num_rows) & col_ok[None, :]
     dtype = out_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * stride_x + col[None, :], mask=mask, other=0.0)
+    # Helpers are inlined but for `weigh`: under the interpreter each nested jit call costs milliseconds.
+    x = tl.load(x_ptr + row * stride_x + col[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_PRE:
         pre_w = tl.load(pre_w_ptr + col, mask=col_ok, other=0.0)
-        x = _normalize(x.to(tl.float32), pre_w, hidden, eps, PLUS_ONE, dtype)
+        inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / hidden + eps)
+        x = weigh(x * inv_rms[:, None], pre_w[None, :], PLUS_ONE, dtype).to(tl.float32)
     if HAS_RES:
         r = tl.load(res_ptr + row * stride_r + col[None, :], mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        x = (x + r.to(tl.float32)).to(dtype)
         tl.store(res_out_ptr + row * stride_ro + col[None, :], x, mask=mask)
+        x = x.to(tl.float32)
     w = tl.load(w_ptr + col, mask=col_ok, other=0.0)
-    y = _normalize(x.to(tl.float32), w, hidden, eps, PLUS_ONE, dtype)
-    tl.store(out_ptr + row * stride_o + col[None, :], y, mask=mask)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / hidden + eps)
+    tl.store(out_ptr + row * stride_o + col[None, :], weigh(x * inv_rms[:, None], w[None, :], PLUS_ONE, dtype),
+             mask=mask)
 
 
 def _check(x, weight, residual=None, pre_weight=None, out=None, residual_out=None):

@@ -54,42 +54,9 @@ def rope_store_ref(qkv, qkv_bias, q_norm, k_norm, cos, sin, slot_mapping, k_cach
     q = _norm_rope_ref(q, q_norm, cos, sin, eps, plus_one)
     k = _norm_rope_ref(k, k_norm, cos, sin, eps, plus_one)
     keep = slot_mapping >= 0
-    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[keep]] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping[keep]] = v[keep].to(v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[keep]] = k[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping[keep]] = v[keep]
     return q if q_out is None else q_out.copy_(q)
-
-
-@triton.jit
-def _load_heads(qkv_ptr, bias_ptr, token, head, c, mask, stride_t, col0,
-                HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Both halves [R, HALF_PAD] of the heads `head` [R, 1] of tokens `token` [R, 1], starting at qkv column
-    col0, plus the bias if any, in qkv's dtype."""
-    col = col0 + head * HEAD_DIM + c
-    x1 = tl.load(qkv_ptr + token * stride_t + col, mask=mask, other=0.0)
-    x2 = tl.load(qkv_ptr + token * stride_t + col + HALF, mask=mask, other=0.0)
-    if HAS_BIAS:
-        dtype = x1.dtype
-        x1 = (x1.to(tl.float32) + tl.load(bias_ptr + col, mask=mask, other=0.0).to(tl.float32)).to(dtype)
-        x2 = (x2.to(tl.float32) + tl.load(bias_ptr + col + HALF, mask=mask, other=0.0).to(tl.float32)).to(dtype)
-    return x1, x2
-
-
-@triton.jit
-def _norm_rope(x1, x2, w_ptr, cos_ptr, sin_ptr, token, c, mask, eps,
-               HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr, PLUS_ONE: tl.constexpr):
-    """Halves [R, HALF_PAD] (qkv dtype) of the rows of tokens `token` [R, 1] at columns c [HALF_PAD] ->
-    q/k-normed (if HAS_NORM) and rotated halves in float32."""
-    dtype = x1.dtype
-    c_ok = c < HALF
-    if HAS_NORM:
-        x1, x2 = x1.to(tl.float32), x2.to(tl.float32)  # 0 where ~mask
-        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
-        x1 = weigh(x1 * inv_rms, tl.load(w_ptr + c, mask=c_ok, other=0.0), PLUS_ONE, dtype)
-        x2 = weigh(x2 * inv_rms, tl.load(w_ptr + HALF + c, mask=c_ok, other=0.0), PLUS_ONE, dtype)
-    cos = tl.load(cos_ptr + token * HALF + c[None, :], mask=mask, other=0.0)
-    sin = tl.load(sin_ptr + token * HALF + c[None, :], mask=mask, other=0.0)
-    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
 @triton.jit
@@ -108,45 +75,53 @@ def _rope_store_kernel(
     stride_t, stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr, H_PAD: tl.constexpr, KV_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr, HEADS_PAD: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, PLUS_ONE: tl.constexpr,
 ):
-    t0 = tl.program_id(0) * BLOCK_T
-    c = tl.arange(0, HALF_PAD)
-    c_ok = c < HALF
-
-    # q: rows are (token, head) pairs, BLOCK_T tokens x H_PAD heads.
-    r = tl.arange(0, BLOCK_T * H_PAD)
-    token = (t0 + r // H_PAD).to(tl.int64)[:, None]
-    head = (r % H_PAD)[:, None]
-    mask = (token < num_tokens) & (head < num_heads) & c_ok[None, :]
-    x1, x2 = _load_heads(qkv_ptr, bias_ptr, token, head, c[None, :], mask, stride_t, 0, HEAD_DIM, HALF, HAS_BIAS)
-    y1, y2 = _norm_rope(x1, x2, q_norm_ptr, cos_ptr, sin_ptr, token, c, mask, eps,
-                        HEAD_DIM, HALF, HAS_NORM, PLUS_ONE)
-    q_dst = q_out_ptr + token * stride_qt + head * stride_qh + c[None, :]
-    tl.store(q_dst, y1.to(q_out_ptr.dtype.element_ty), mask=mask)
-    tl.store(q_dst + HALF, y2.to(q_out_ptr.dtype.element_ty), mask=mask)
-
-    # k and v: rows are (token, kv head) pairs; tokens with slot -1 (padding) and past num_tokens store nothing.
-    r = tl.arange(0, BLOCK_T * KV_PAD)
-    token = (t0 + r // KV_PAD).to(tl.int64)[:, None]
-    head = (r % KV_PAD)[:, None]
+    # One tile of rows = (token, head) pairs over every head of qkv (q heads, then k, then v) of BLOCK_T tokens,
+    # columns = one half of head_dim; the other half is a second tile. q, k and v share the loads and the math
+    # (v rows skip norm and rotation), which keeps the op count low: under the interpreter each op costs ~1 ms.
+    r = tl.arange(0, BLOCK_T * HEADS_PAD)
+    token = (tl.program_id(0) * BLOCK_T + r // HEADS_PAD).to(tl.int64)[:, None]
+    head = (r % HEADS_PAD)[:, None]
+    c = tl.arange(0, HALF_PAD)[None, :]
+    is_q = head < num_heads
+    is_k = (head >= num_heads) & (head < num_heads + num_kv_heads)
+    is_v = (head >= num_heads + num_kv_heads) & (head < num_heads + 2 * num_kv_heads)
     slot = tl.load(slot_ptr + token, mask=token < num_tokens, other=-1)
-    mask = (slot >= 0) & (head < num_kv_heads) & c_ok[None, :]
+    # q of every token; K/V only of tokens with a slot (-1 is padding, as are the rows past num_tokens).
+    ok = (token < num_tokens) & (is_q | ((is_k | is_v) & (slot >= 0))) & (c < HALF)
+    src = qkv_ptr + token * stride_t + head * HEAD_DIM + c
+    x1 = tl.load(src, mask=ok, other=0.0)
+    x2 = tl.load(src + HALF, mask=ok, other=0.0)
+    dtype = x1.dtype
+    if HAS_BIAS:
+        bias = bias_ptr + head * HEAD_DIM + c
+        x1 = (x1.to(tl.float32) + tl.load(bias, mask=ok, other=0.0).to(tl.float32)).to(dtype)
+        x2 = (x2.to(tl.float32) + tl.load(bias + HALF, mask=ok, other=0.0).to(tl.float32)).to(dtype)
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)  # 0 where ~ok
+    if HAS_NORM:
+        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
+        w1 = tl.where(is_q, tl.load(q_norm_ptr + c, mask=c < HALF), tl.load(k_norm_ptr + c, mask=c < HALF))
+        w2 = tl.where(is_q, tl.load(q_norm_ptr + HALF + c, mask=c < HALF),
+                      tl.load(k_norm_ptr + HALF + c, mask=c < HALF))
+        x1 = tl.where(is_v, x1, weigh(x1 * inv_rms, w1, PLUS_ONE, dtype).to(tl.float32))
+        x2 = tl.where(is_v, x2, weigh(x2 * inv_rms, w2, PLUS_ONE, dtype).to(tl.float32))
+    cos = tl.load(cos_ptr + token * HALF + c, mask=ok, other=0.0)
+    sin = tl.load(sin_ptr + token * HALF + c, mask=ok, other=0.0)
+    y1 = tl.where(is_v, x1, x1 * cos - x2 * sin).to(dtype)
+    y2 = tl.where(is_v, x2, x2 * cos + x1 * sin).to(dtype)
+
+    q_dst = q_out_ptr + token * stride_qt + head * stride_qh + c
+    tl.store(q_dst, y1, mask=ok & is_q)
+    tl.store(q_dst + HALF, y2, mask=ok & is_q)
     page, offset = slot // page_size, slot % page_size
-    k_col0 = num_heads * HEAD_DIM
-    x1, x2 = _load_heads(qkv_ptr, bias_ptr, token, head, c[None, :], mask, stride_t, k_col0,
-                         HEAD_DIM, HALF, HAS_BIAS)
-    y1, y2 = _norm_rope(x1, x2, k_norm_ptr, cos_ptr, sin_ptr, token, c, mask, eps,
-                        HEAD_DIM, HALF, HAS_NORM, PLUS_ONE)
-    k_dst = k_cache_ptr + page * stride_kp + offset * stride_ks + head * stride_kh + c[None, :]
-    tl.store(k_dst, y1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(k_dst + HALF, y2.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    v1, v2 = _load_heads(qkv_ptr, bias_ptr, token, head, c[None, :], mask, stride_t,
-                         k_col0 + num_kv_heads * HEAD_DIM, HEAD_DIM, HALF, HAS_BIAS)
-    v_dst = v_cache_ptr + page * stride_vp + offset * stride_vs + head * stride_vh + c[None, :]
-    tl.store(v_dst, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    k_dst = k_cache_ptr + page * stride_kp + offset * stride_ks + (head - num_heads) * stride_kh + c
+    tl.store(k_dst, y1, mask=ok & is_k)
+    tl.store(k_dst + HALF, y2, mask=ok & is_k)
+    v_dst = v_cache_ptr + page * stride_vp + offset * stride_vs + (head - num_heads - num_kv_heads) * stride_vh + c
+    tl.store(v_dst, y1, mask=ok & is_v)
+    tl.store(v_dst + HALF, y2, mask=ok & is_v)
 
 
 def _check(qkv, qkv_bias, q_norm, k_norm, cos, sin, slot_mapping, k_cache, v_cache, q_out):
@@ -155,6 +130,8 @@ def _check(qkv, qkv_bias, q_norm, k_norm, cos, sin, slot_mapping, k_cache, v_cac
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must be equal "
                          f"[pages, page_size, kv_heads, head_dim] with head_dim contiguous")
+    if k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
+        raise ValueError(f"k_cache {k_cache.dtype} and v_cache {v_cache.dtype} must have qkv's dtype {qkv.dtype}")
     num_kv_heads, head_dim = k_cache.shape[2:]
     if head_dim % 2:
         raise ValueError(f"head_dim {head_dim} must be even for half-split RoPE")
@@ -201,8 +178,8 @@ def rope_store(qkv, qkv_bias, q_norm, k_norm, cos, sin, slot_mapping, k_cache, v
         return q_out
     half = head_dim // 2
     half_pad = triton.next_power_of_2(half)
-    h_pad, kv_pad = triton.next_power_of_2(num_heads), triton.next_power_of_2(num_kv_heads)
-    block_t = block_rows((h_pad + 2 * kv_pad) * 2 * half_pad, qkv.device)
+    heads_pad = triton.next_power_of_2(num_heads + 2 * num_kv_heads)
+    block_t = block_rows(heads_pad * 2 * half_pad, qkv.device)
     _rope_store_kernel[(triton.cdiv(num_tokens, block_t),)](
         qkv, qkv_bias if qkv_bias is not None else qkv, q_norm if q_norm is not None else cos,
         k_norm if k_norm is not None else cos, cos, sin, slot_mapping, q_out, k_cache, v_cache,
@@ -210,8 +187,8 @@ def rope_store(qkv, qkv_bias, q_norm, k_norm, cos, sin, slot_mapping, k_cache, v
         qkv.stride(0), q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HEAD_DIM=head_dim, HALF=half, HALF_PAD=half_pad, BLOCK_T=block_t, H_PAD=h_pad, KV_PAD=kv_pad,
+        HEAD_DIM=head_dim, HALF=half, HALF_PAD=half_pad, BLOCK_T=block_t, HEADS_PAD=heads_pad,
         HAS_BIAS=qkv_bias is not None, HAS_NORM=q_norm is not None, PLUS_ONE=plus_one,
-        num_warps=num_warps_for(block_t * h_pad * 2 * half_pad), enable_fp_fusion=False,
+        num_warps=num_warps_for(block_t * heads_pad * half_pad), enable_fp_fusion=False,
     )
     return q_out
