@@ -1,7 +1,7 @@
 """RMSNorm over the last dim, with the residual add (and Gemma's sandwich pre-norm) folded in.
 
 Layouts:
-    x, residual, out, residual_out:  [num_rows, hidden] (hidden contiguous; rows may be strided)
+    x, residual, out, residual_out:  [num_rows, hidden], contiguous
     weight, pre_weight:              [hidden]
 
     rms_norm(x)                           -> norm(x)
@@ -57,52 +57,47 @@ def weigh(xn, w, PLUS_ONE: tl.constexpr, OUT_DTYPE: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr,             # [num_rows, hidden]
-    res_ptr,           # [num_rows, hidden], read if HAS_RES
+    x_ptr,             # [num_rows, hidden] contiguous
+    res_ptr,           # [num_rows, hidden] contiguous, read if HAS_RES
     w_ptr,             # [hidden]
     pre_w_ptr,         # [hidden], read if HAS_PRE
-    out_ptr,           # [num_rows, hidden]
-    res_out_ptr,       # [num_rows, hidden], written if HAS_RES
+    out_ptr,           # [num_rows, hidden] contiguous
+    res_out_ptr,       # [num_rows, hidden] contiguous, written if HAS_RES
     num_rows, hidden, eps,
-    stride_x, stride_r, stride_o, stride_ro,
     HAS_RES: tl.constexpr, HAS_PRE: tl.constexpr, PLUS_ONE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    row = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
-    col = tl.arange(0, BLOCK_N)
+    # Few ops and one offset tensor for all four arrays: under the interpreter every op costs about a millisecond.
+    row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    col = tl.arange(0, BLOCK_N)[None, :]
     col_ok = col < hidden
-    mask = (row < num_rows) & col_ok[None, :]
+    mask = (row < num_rows) & col_ok
+    offs = row.to(tl.int64) * hidden + col
     dtype = out_ptr.dtype.element_ty
-    # Helpers are inlined but for `weigh`: under the interpreter each nested jit call costs milliseconds.
-    x = tl.load(x_ptr + row * stride_x + col[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_PRE:
-        pre_w = tl.load(pre_w_ptr + col, mask=col_ok, other=0.0)
-        inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / hidden + eps)
-        x = weigh(x * inv_rms[:, None], pre_w[None, :], PLUS_ONE, dtype).to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(x * x, axis=1, keep_dims=True) / hidden + eps)
+        x = weigh(x * inv_rms, tl.load(pre_w_ptr + col, mask=col_ok), PLUS_ONE, dtype).to(tl.float32)
     if HAS_RES:
-        r = tl.load(res_ptr + row * stride_r + col[None, :], mask=mask, other=0.0)
-        x = (x + r.to(tl.float32)).to(dtype)
-        tl.store(res_out_ptr + row * stride_ro + col[None, :], x, mask=mask)
+        x = (x + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+        tl.store(res_out_ptr + offs, x, mask=mask)
         x = x.to(tl.float32)
-    w = tl.load(w_ptr + col, mask=col_ok, other=0.0)
-    inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / hidden + eps)
-    tl.store(out_ptr + row * stride_o + col[None, :], weigh(x * inv_rms[:, None], w[None, :], PLUS_ONE, dtype),
-             mask=mask)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=1, keep_dims=True) / hidden + eps)
+    tl.store(out_ptr + offs, weigh(x * inv_rms, tl.load(w_ptr + col, mask=col_ok), PLUS_ONE, dtype), mask=mask)
 
 
 def _check(x, weight, residual=None, pre_weight=None, out=None, residual_out=None):
     check_float("x", x)
-    if x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"x must be [rows, hidden] with hidden contiguous, got shape {tuple(x.shape)} "
-                         f"strides {x.stride()}")
+    if x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"x must be contiguous [rows, hidden], got shape {tuple(x.shape)} strides {x.stride()}")
     hidden = x.shape[1]
     for name, w in (("weight", weight), ("pre_weight", pre_weight)):
         if w is not None and (w.shape != (hidden,) or w.stride(0) != 1):
             raise ValueError(f"{name} must be contiguous [{hidden}], got {tuple(w.shape)}")
     for name, t in (("residual", residual), ("out", out), ("residual_out", residual_out)):
-        if t is not None and (t.shape != x.shape or t.dtype != x.dtype or t.stride(1) != 1):
-            raise ValueError(f"{name} must be {x.dtype} {tuple(x.shape)} with the last dim contiguous like x, "
-                             f"got {t.dtype} {tuple(t.shape)}")
+        if t is not None and (t.shape != x.shape or t.dtype != x.dtype or not t.is_contiguous()):
+            raise ValueError(f"{name} must be contiguous {x.dtype} {tuple(x.shape)} like x, got {t.dtype} "
+                             f"{tuple(t.shape)} strides {t.stride()}")
 
 
 def _launch(x, weight, eps, plus_one, residual, pre_weight, out, residual_out):
@@ -115,7 +110,6 @@ def _launch(x, weight, eps, plus_one, residual, pre_weight, out, residual_out):
     _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
         x, res, weight, pre_weight if pre_weight is not None else weight, out, res_out,
         num_rows, hidden, eps,
-        x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
         HAS_RES=residual is not None, HAS_PRE=pre_weight is not None, PLUS_ONE=plus_one,
         BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps_for(block_r * block_n), enable_fp_fusion=False,
     )

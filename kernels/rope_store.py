@@ -9,6 +9,7 @@ Layouts:
     slot_mapping:      int64 [num_tokens]; slot = page_id * page_size + offset; -1 skips the token's K/V
     q_out:             [num_tokens, num_heads, head_dim]
     k_cache, v_cache:  [num_pages, page_size, num_kv_heads, head_dim]
+(every tensor contiguous)
 Rounding: the bias add and the q/k-norm round to the dtype as the unfused ops do; RoPE is computed in float32
 and rounded once (x1 * cos - x2 * sin, x2 * cos + x1 * sin), which in float32 is what the unfused ops compute.
 """
@@ -61,83 +62,82 @@ def rope_store_ref(qkv, qkv_bias, q_norm, k_norm, cos, sin, slot_mapping, k_cach
 
 @triton.jit
 def _rope_store_kernel(
-    qkv_ptr,        # [num_tokens, (num_heads + 2 * num_kv_heads) * HEAD_DIM]
-    bias_ptr,       # [(num_heads + 2 * num_kv_heads) * HEAD_DIM], read if HAS_BIAS
+    qkv_ptr,        # [num_tokens, NUM_HEADS * HEAD_DIM] contiguous, NUM_HEADS = num_q_heads + 2 * num_kv_heads
+    bias_ptr,       # [NUM_HEADS * HEAD_DIM], read if HAS_BIAS
     q_norm_ptr,     # [HEAD_DIM], read if HAS_NORM
     k_norm_ptr,     # [HEAD_DIM], read if HAS_NORM
     cos_ptr,        # float32 [num_tokens, HALF] contiguous
     sin_ptr,        # float32 [num_tokens, HALF] contiguous
     slot_ptr,       # int64 [num_tokens]
-    q_out_ptr,      # [num_tokens, num_heads, HEAD_DIM]
-    k_cache_ptr,    # [num_pages, page_size, num_kv_heads, HEAD_DIM]
-    v_cache_ptr,    # [num_pages, page_size, num_kv_heads, HEAD_DIM]
-    num_tokens, num_heads, num_kv_heads, page_size, eps,
-    stride_t, stride_qt, stride_qh,
-    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    q_out_ptr,      # [num_tokens, num_q_heads, HEAD_DIM] contiguous
+    k_cache_ptr,    # [num_pages * page_size, num_kv_heads, HEAD_DIM] contiguous (slot-major)
+    v_cache_ptr,    # [num_pages * page_size, num_kv_heads, HEAD_DIM] contiguous
+    num_tokens, num_q_heads, num_kv_heads, eps,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, NUM_HEADS: tl.constexpr,
     BLOCK_T: tl.constexpr, HEADS_PAD: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, PLUS_ONE: tl.constexpr,
 ):
     # One tile of rows = (token, head) pairs over every head of qkv (q heads, then k, then v) of BLOCK_T tokens,
-    # columns = one half of head_dim; the other half is a second tile. q, k and v share the loads and the math
-    # (v rows skip norm and rotation), which keeps the op count low: under the interpreter each op costs ~1 ms.
-    r = tl.arange(0, BLOCK_T * HEADS_PAD)
-    token = (tl.program_id(0) * BLOCK_T + r // HEADS_PAD).to(tl.int64)[:, None]
-    head = (r % HEADS_PAD)[:, None]
+    # columns = the first half of head_dim; the second half is the same tile shifted by HALF. q, k and v share
+    # the loads and the math (v rows skip norm and rotation): under the interpreter every op costs ~1 ms.
+    r = tl.arange(0, BLOCK_T * HEADS_PAD)[:, None]
+    token = tl.program_id(0) * BLOCK_T + r // HEADS_PAD
+    head = r % HEADS_PAD
     c = tl.arange(0, HALF_PAD)[None, :]
-    is_q = head < num_heads
-    is_k = (head >= num_heads) & (head < num_heads + num_kv_heads)
-    is_v = (head >= num_heads + num_kv_heads) & (head < num_heads + 2 * num_kv_heads)
+    is_q = head < num_q_heads
+    kv_head = head - num_q_heads                     # k heads: 0..num_kv_heads-1, v heads: num_kv_heads..
+    is_v = kv_head >= num_kv_heads
     slot = tl.load(slot_ptr + token, mask=token < num_tokens, other=-1)
     # q of every token; K/V only of tokens with a slot (-1 is padding, as are the rows past num_tokens).
-    ok = (token < num_tokens) & (is_q | ((is_k | is_v) & (slot >= 0))) & (c < HALF)
-    src = qkv_ptr + token * stride_t + head * HEAD_DIM + c
+    ok = (token < num_tokens) & (head < NUM_HEADS) & (is_q | (slot >= 0)) & (c < HALF)
+    col = head * HEAD_DIM + c
+    src = qkv_ptr + token.to(tl.int64) * (NUM_HEADS * HEAD_DIM) + col
     x1 = tl.load(src, mask=ok, other=0.0)
     x2 = tl.load(src + HALF, mask=ok, other=0.0)
     dtype = x1.dtype
     if HAS_BIAS:
-        bias = bias_ptr + head * HEAD_DIM + c
-        x1 = (x1.to(tl.float32) + tl.load(bias, mask=ok, other=0.0).to(tl.float32)).to(dtype)
-        x2 = (x2.to(tl.float32) + tl.load(bias + HALF, mask=ok, other=0.0).to(tl.float32)).to(dtype)
+        x1 = (x1.to(tl.float32) + tl.load(bias_ptr + col, mask=ok).to(tl.float32)).to(dtype)
+        x2 = (x2.to(tl.float32) + tl.load(bias_ptr + col + HALF, mask=ok).to(tl.float32)).to(dtype)
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)  # 0 where ~ok
     if HAS_NORM:
-        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)[:, None]
-        w1 = tl.where(is_q, tl.load(q_norm_ptr + c, mask=c < HALF), tl.load(k_norm_ptr + c, mask=c < HALF))
-        w2 = tl.where(is_q, tl.load(q_norm_ptr + HALF + c, mask=c < HALF),
-                      tl.load(k_norm_ptr + HALF + c, mask=c < HALF))
-        x1 = tl.where(is_v, x1, weigh(x1 * inv_rms, w1, PLUS_ONE, dtype).to(tl.float32))
-        x2 = tl.where(is_v, x2, weigh(x2 * inv_rms, w2, PLUS_ONE, dtype).to(tl.float32))
-    cos = tl.load(cos_ptr + token * HALF + c, mask=ok, other=0.0)
-    sin = tl.load(sin_ptr + token * HALF + c, mask=ok, other=0.0)
+        ss = tl.sum(x1 * x1, axis=1, keep_dims=True) + tl.sum(x2 * x2, axis=1, keep_dims=True)
+        inv_rms = tl.rsqrt(ss / HEAD_DIM + eps)
+        w_ptr = tl.where(is_q, q_norm_ptr, k_norm_ptr) + c
+        x1 = tl.where(is_v, x1, weigh(x1 * inv_rms, tl.load(w_ptr, mask=ok), PLUS_ONE, dtype).to(tl.float32))
+        x2 = tl.where(is_v, x2, weigh(x2 * inv_rms, tl.load(w_ptr + HALF, mask=ok), PLUS_ONE, dtype).to(tl.float32))
+    cs = token.to(tl.int64) * HALF + c
+    cos = tl.load(cos_ptr + cs, mask=ok, other=0.0)
+    sin = tl.load(sin_ptr + cs, mask=ok, other=0.0)
     y1 = tl.where(is_v, x1, x1 * cos - x2 * sin).to(dtype)
     y2 = tl.where(is_v, x2, x2 * cos + x1 * sin).to(dtype)
 
-    q_dst = q_out_ptr + token * stride_qt + head * stride_qh + c
+    q_dst = q_out_ptr + token.to(tl.int64) * (num_q_heads * HEAD_DIM) + col
     tl.store(q_dst, y1, mask=ok & is_q)
     tl.store(q_dst + HALF, y2, mask=ok & is_q)
-    page, offset = slot // page_size, slot % page_size
-    k_dst = k_cache_ptr + page * stride_kp + offset * stride_ks + (head - num_heads) * stride_kh + c
-    tl.store(k_dst, y1, mask=ok & is_k)
-    tl.store(k_dst + HALF, y2, mask=ok & is_k)
-    v_dst = v_cache_ptr + page * stride_vp + offset * stride_vs + (head - num_heads - num_kv_heads) * stride_vh + c
-    tl.store(v_dst, y1, mask=ok & is_v)
-    tl.store(v_dst + HALF, y2, mask=ok & is_v)
+    # The slot indexes the cache's flattened [pages * page_size] dim directly; v heads share k's offsets.
+    kv = slot * (num_kv_heads * HEAD_DIM) + tl.where(is_v, kv_head - num_kv_heads, kv_head) * HEAD_DIM + c
+    is_k = ok & ~is_q & ~is_v
+    tl.store(k_cache_ptr + kv, y1, mask=is_k)
+    tl.store(k_cache_ptr + kv + HALF, y2, mask=is_k)
+    tl.store(v_cache_ptr + kv, y1, mask=ok & is_v)
+    tl.store(v_cache_ptr + kv + HALF, y2, mask=ok & is_v)
 
 
 def _check(qkv, qkv_bias, q_norm, k_norm, cos, sin, slot_mapping, k_cache, v_cache, q_out):
     """The argument checks of `rope_store` and its reference; returns num_heads."""
     check_float("qkv", qkv)
-    if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must be equal "
-                         f"[pages, page_size, kv_heads, head_dim] with head_dim contiguous")
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must be equal and "
+                         f"contiguous [pages, page_size, kv_heads, head_dim]")
     if k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
         raise ValueError(f"k_cache {k_cache.dtype} and v_cache {v_cache.dtype} must have qkv's dtype {qkv.dtype}")
     num_kv_heads, head_dim = k_cache.shape[2:]
     if head_dim % 2:
         raise ValueError(f"head_dim {head_dim} must be even for half-split RoPE")
-    if qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] % head_dim or qkv.shape[1] // head_dim <= 2 * num_kv_heads:
-        raise ValueError(f"qkv {tuple(qkv.shape)} must be [tokens, (heads + 2 * {num_kv_heads}) * {head_dim}] "
-                         f"with the last dim contiguous")
+    if (qkv.dim() != 2 or not qkv.is_contiguous() or qkv.shape[1] % head_dim
+            or qkv.shape[1] // head_dim <= 2 * num_kv_heads):
+        raise ValueError(f"qkv {tuple(qkv.shape)} must be contiguous [tokens, (heads + 2 * {num_kv_heads}) * "
+                         f"{head_dim}]")
     num_tokens, width = qkv.shape
     num_heads = width // head_dim - 2 * num_kv_heads
     if num_heads % num_kv_heads:
@@ -157,9 +157,9 @@ def _check(qkv, qkv_bias, q_norm, k_norm, cos, sin, slot_mapping, k_cache, v_cac
         raise ValueError(f"slot_mapping must be int64 [{num_tokens}], got {slot_mapping.dtype} "
                          f"{tuple(slot_mapping.shape)}")
     if q_out is not None and (q_out.shape != (num_tokens, num_heads, head_dim) or q_out.dtype != qkv.dtype
-                              or q_out.stride(2) != 1):
-        raise ValueError(f"q_out must be {qkv.dtype} [{num_tokens}, {num_heads}, {head_dim}] with head_dim "
-                         f"contiguous, got {q_out.dtype} {tuple(q_out.shape)}")
+                              or not q_out.is_contiguous()):
+        raise ValueError(f"q_out must be contiguous {qkv.dtype} [{num_tokens}, {num_heads}, {head_dim}], got "
+                         f"{q_out.dtype} {tuple(q_out.shape)}")
     return num_heads
 
 
@@ -183,11 +183,9 @@ def rope_store(qkv, qkv_bias, q_norm, k_norm, cos, sin, slot_mapping, k_cache, v
     _rope_store_kernel[(triton.cdiv(num_tokens, block_t),)](
         qkv, qkv_bias if qkv_bias is not None else qkv, q_norm if q_norm is not None else cos,
         k_norm if k_norm is not None else cos, cos, sin, slot_mapping, q_out, k_cache, v_cache,
-        num_tokens, num_heads, num_kv_heads, k_cache.shape[1], eps,
-        qkv.stride(0), q_out.stride(0), q_out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HEAD_DIM=head_dim, HALF=half, HALF_PAD=half_pad, BLOCK_T=block_t, HEADS_PAD=heads_pad,
+        num_tokens, num_heads, num_kv_heads, eps,
+        HEAD_DIM=head_dim, HALF=half, HALF_PAD=half_pad, NUM_HEADS=num_heads + 2 * num_kv_heads,
+        BLOCK_T=block_t, HEADS_PAD=heads_pad,
         HAS_BIAS=qkv_bias is not None, HAS_NORM=q_norm is not None, PLUS_ONE=plus_one,
         num_warps=num_warps_for(block_t * heads_pad * half_pad), enable_fp_fusion=False,
     )
