@@ -178,7 +178,7 @@ def test_fused_kernels_refuse_bad_arguments_naming_them():
         rms_norm(torch.ones(3, 64, dtype=torch.int64), w, EPS, False)
     with pytest.raises(ValueError, match="weight must be contiguous \\[64\\], got \\(32,\\)"):
         rms_norm(x, torch.randn(32), EPS, False)
-    with pytest.raises(ValueError, match="residual must be torch.float32 \\(3, 64\\)"):
+    with pytest.raises(ValueError, match="residual must be contiguous torch.float32 \\(3, 64\\)"):
         add_rms_norm(x, torch.randn(4, 64), w, EPS, False)
     with pytest.raises(ValueError, match="act must be one of"):
         act_and_mul(torch.randn(3, 8), "relu")
