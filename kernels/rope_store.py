@@ -144,8 +144,8 @@ def _check(qkv, qkv_bias, q_norm, k_norm, cos, sin, slot_mapping, k_cache, v_cac
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if qkv_bias is not None and (qkv_bias.shape != (width,) or qkv_bias.stride(0) != 1):
         raise ValueError(f"qkv_bias must be contiguous [{width}], got {tuple(qkv_bias.shape)}")
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError("q_norm and k_norm must be given together (q/k-norm) or both None")
+    if (q_norm is None) != (k_norm is None) or (q_norm is not None and q_norm.dtype != k_norm.dtype):
+        raise ValueError("q_norm and k_norm must be given together (q/k-norm), of one dtype, or both None")
     for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
         if w is not None and (w.shape != (head_dim,) or w.stride(0) != 1):
             raise ValueError(f"{name} must be contiguous [{head_dim}], got {tuple(w.shape)}")
