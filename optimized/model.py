@@ -1,8 +1,10 @@
 """The optimized model forward over the flat batch of one engine step, for every family of `ModelConfig`.
 
 Independent of `reference/` on purpose: a bug shared by both would hide from the parity suite.
-Per layer, the new tokens' K/V go into the paged cache first (`store_kv`); attention then reads pages only,
-so prefill, chunked prefill and decode read K/V the same way (DESIGN.md, point 3).
+Per layer, the new tokens' K/V go into the paged cache first (`rope_store`, fused with q/k-norm and RoPE);
+attention then reads pages only, so prefill, chunked prefill and decode read K/V the same way (DESIGN.md,
+point 3). Each residual add is folded into the norm after it (`add_rms_norm`), so a decode layer is: norm,
+QKV GEMM, rope_store, attention, O GEMM, norm, gate_up GEMM, act_and_mul, down GEMM.
 
 Flat-batch layout (built by `ModelRunner`): tokens of the sequences that bring prompt chunks come first
 (sequence s owns rows query_start_loc[s]:query_start_loc[s+1]), then one token per decoding sequence.
@@ -15,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from chunkwise.config import ModelConfig
-from kernels import paged_attention, split_kv_decode, store_kv
+from kernels import (act_and_mul, add_rms_norm, paged_attention, rms_norm, rope_cos_sin, rope_store,
+                     split_kv_decode)
 from kernels.split_kv import DEFAULT_SPLIT_SIZE
 
 
@@ -35,22 +38,6 @@ class StepInputs:
     @property
     def num_prefill_tokens(self) -> int:
         return self.input_ids.shape[0] - self.decode_seq_lens.shape[0]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool) -> torch.Tensor:
-    """RMSNorm over the last dim in float32; Gemma applies (1 + w) before casting back, Llama w after."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if plus_one:
-        return (xf * (1.0 + weight.float())).to(x.dtype)
-    return weight * xf.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] rotated by half-split RoPE; cos/sin [T, head_dim] in x's dtype."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 class Model:
@@ -93,59 +80,47 @@ class Model:
             out["post_ff_norm"] = w[p + "post_feedforward_layernorm.weight"]
         return out
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, weight, self.cfg.rms_norm_eps, self.cfg.norm_plus_one)
+    def _add_norm(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                  pre_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(s), s) for the residual stream s = residual + h, or residual + norm_pre(h) when pre_weight is
+        given; before the first layer there is no residual yet and s = h."""
+        eps, plus_one = self.cfg.rms_norm_eps, self.cfg.norm_plus_one
+        if residual is None:
+            return rms_norm(h, weight, eps, plus_one), h
+        return add_rms_norm(h, residual, weight, eps, plus_one, pre_weight=pre_weight)
 
     def forward(self, inp: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Logits [N, vocab] in float32 for the rows `inp.logits_indices`, after writing every layer's K/V."""
-        x = F.embedding(inp.input_ids, self.embed)
+        h = F.embedding(inp.input_ids, self.embed)
         if self.embed_scale is not None:
-            x = x * self.embed_scale
-        rope = [self._cos_sin(inp.positions, inv_freq, x.dtype) for inv_freq in self.inv_freqs]
+            h = h * self.embed_scale
+        rope = [rope_cos_sin(inp.positions, inv_freq) for inv_freq in self.inv_freqs]
+        # A sublayer's output h joins the residual stream inside the next norm's kernel. Gemma normalizes h
+        # first (post-attention / post-FF norm): that norm (`pending` for the post-FF one) goes in the same kernel.
+        residual, pending = None, None
         for i, lw in enumerate(self.layers):
-            x = self._layer(i, lw, x, inp, kv_caches[i], rope[self.rope_index[i]])
-        x = x[inp.logits_indices]
-        logits = (self._norm(x, self.final_norm) @ self.lm_head.t()).float()
+            x, residual = self._add_norm(h, residual, lw["input_norm"], pending)
+            h = self._attention(i, lw, x, inp, kv_caches[i], rope[self.rope_index[i]])
+            if self.cfg.sandwich_norms:
+                x, residual = self._add_norm(h, residual, lw["pre_ff_norm"], lw["post_attn_norm"])
+                pending = lw["post_ff_norm"]
+            else:
+                x, residual = self._add_norm(h, residual, lw["post_attn_norm"])
+            h = self._mlp(lw, x)
+        x, _ = self._add_norm(h, residual, self.final_norm, pending)  # row-wise: norm all rows, then pick
+        logits = (x[inp.logits_indices] @ self.lm_head.t()).float()
         cap = self.cfg.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 
-    @staticmethod
-    def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-        """cos, sin [T, head_dim] in dtype for half-split RoPE at the given positions."""
-        freqs = positions[:, None].float() * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-    def _layer(self, i: int, lw: dict, x: torch.Tensor, inp: StepInputs, kv, rope) -> torch.Tensor:
-        h = self._attention(i, lw, self._norm(x, lw["input_norm"]), inp, kv, rope)
-        if self.cfg.sandwich_norms:
-            x = x + self._norm(h, lw["post_attn_norm"])
-            h = self._mlp(lw, self._norm(x, lw["pre_ff_norm"]))
-            return x + self._norm(h, lw["post_ff_norm"])
-        x = x + h
-        return x + self._mlp(lw, self._norm(x, lw["post_attn_norm"]))
-
     def _mlp(self, lw: dict, x: torch.Tensor) -> torch.Tensor:
-        gate, up = (x @ lw["gate_up"].t()).chunk(2, dim=-1)
-        act = F.silu(gate) if self.cfg.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
-        return (act * up) @ lw["down"].t()
+        return act_and_mul(x @ lw["gate_up"].t(), self.cfg.hidden_act) @ lw["down"].t()
 
     def _attention(self, i: int, lw: dict, x: torch.Tensor, inp: StepInputs, kv, rope) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]
-        qkv = x @ lw["qkv"].t()
-        if "qkv_bias" in lw:
-            qkv = qkv + lw["qkv_bias"]
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q = qkv[:, :q_size].reshape(t, cfg.num_heads, cfg.head_dim)
-        k = qkv[:, q_size:q_size + kv_size].reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        v = qkv[:, q_size + kv_size:].reshape(t, cfg.num_kv_heads, cfg.head_dim).contiguous()
-        if cfg.qk_norm:
-            q, k = self._norm(q, lw["q_norm"]), self._norm(k, lw["k_norm"])
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin).contiguous(), apply_rope(k, cos, sin).contiguous()
-
         k_cache, v_cache = kv
-        store_kv(k, v, k_cache, v_cache, inp.slot_mapping)
+        cos, sin = rope
+        q = rope_store(x @ lw["qkv"].t(), lw.get("qkv_bias"), lw.get("q_norm"), lw.get("k_norm"), cos, sin,
+                       inp.slot_mapping, k_cache, v_cache, cfg.rms_norm_eps, cfg.norm_plus_one)
         out = torch.empty_like(q)
         window, p = cfg.window(i), inp.num_prefill_tokens
         if p:
@@ -154,5 +129,5 @@ class Model:
         if p < t:
             split_kv_decode(q[p:], k_cache, v_cache, inp.decode_block_tables, inp.decode_seq_lens,
                             cfg.attn_scale, sliding_window=window, split_size=self.split_size, out=out[p:])
-        out = out.reshape(t, q_size) @ lw["o"].t()
+        out = out.reshape(t, -1) @ lw["o"].t()
         return out + lw["o_bias"] if "o_bias" in lw else out
