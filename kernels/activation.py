@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.attention_tile import cast
 from kernels.tiling import block_rows, check_float, num_warps_for
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -47,7 +48,7 @@ def _act_and_mul_kernel(
     e = tl.exp(-tl.abs(z))
     a = gate * tl.where(z >= 0, 1.0, e) / (1.0 + e)
     dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + row * stride_o + col, (a.to(dtype).to(tl.float32) * up).to(dtype), mask=mask)
+    tl.store(out_ptr + row * stride_o + col, cast(cast(a, dtype).to(tl.float32) * up, dtype), mask=mask)
 
 
 def _check(gate_up, act, out):

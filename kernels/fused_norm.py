@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_tile import cast
 from kernels.tiling import block_rows, check_float, num_warps_for
 
 
@@ -50,9 +51,9 @@ def weigh(xn, w, PLUS_ONE: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """Normalized rows xn [R, C] float32 times the weight w ([1, C] or [R, C], any dtype), rounded to OUT_DTYPE
     at the models' rounding points. Also used by the q/k-norm of `rope_store`."""
     if PLUS_ONE:
-        return (xn * (1.0 + w.to(tl.float32))).to(OUT_DTYPE)
+        return cast(xn * (1.0 + w.to(tl.float32)), OUT_DTYPE)
     # Llama: round to the dtype first, then the product in the dtype (exact in float32, rounded once).
-    return (xn.to(OUT_DTYPE).to(tl.float32) * w.to(tl.float32)).to(OUT_DTYPE)
+    return cast(cast(xn, OUT_DTYPE).to(tl.float32) * w.to(tl.float32), OUT_DTYPE)
 
 
 @triton.jit
@@ -79,7 +80,7 @@ def _rms_norm_kernel(
         inv_rms = tl.rsqrt(tl.sum(x * x, axis=1, keep_dims=True) / hidden + eps)
         x = weigh(x * inv_rms, tl.load(pre_w_ptr + col, mask=col_ok), PLUS_ONE, dtype).to(tl.float32)
     if HAS_RES:
-        x = (x + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+        x = cast(x + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32), dtype)
         tl.store(res_out_ptr + offs, x, mask=mask)
         x = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=1, keep_dims=True) / hidden + eps)

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_tile import cast
 from kernels.fused_norm import weigh
 from kernels.tiling import block_rows, check_float, num_warps_for
 
@@ -96,8 +97,8 @@ def _rope_store_kernel(
     x2 = tl.load(src + HALF, mask=ok, other=0.0)
     dtype = x1.dtype
     if HAS_BIAS:
-        x1 = (x1.to(tl.float32) + tl.load(bias_ptr + col, mask=ok).to(tl.float32)).to(dtype)
-        x2 = (x2.to(tl.float32) + tl.load(bias_ptr + col + HALF, mask=ok).to(tl.float32)).to(dtype)
+        x1 = cast(x1.to(tl.float32) + tl.load(bias_ptr + col, mask=ok).to(tl.float32), dtype)
+        x2 = cast(x2.to(tl.float32) + tl.load(bias_ptr + col + HALF, mask=ok).to(tl.float32), dtype)
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)  # 0 where ~ok
     if HAS_NORM:
         ss = tl.sum(x1 * x1, axis=1, keep_dims=True) + tl.sum(x2 * x2, axis=1, keep_dims=True)
@@ -108,8 +109,8 @@ def _rope_store_kernel(
     cs = token.to(tl.int64) * HALF + c
     cos = tl.load(cos_ptr + cs, mask=ok, other=0.0)
     sin = tl.load(sin_ptr + cs, mask=ok, other=0.0)
-    y1 = tl.where(is_v, x1, x1 * cos - x2 * sin).to(dtype)
-    y2 = tl.where(is_v, x2, x2 * cos + x1 * sin).to(dtype)
+    y1 = cast(tl.where(is_v, x1, x1 * cos - x2 * sin), dtype)
+    y2 = cast(tl.where(is_v, x2, x2 * cos + x1 * sin), dtype)
 
     q_dst = q_out_ptr + token.to(tl.int64) * (num_q_heads * HEAD_DIM) + col
     tl.store(q_dst, y1, mask=ok & is_q)

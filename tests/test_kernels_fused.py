@@ -1,7 +1,7 @@
 """The fused step kernels (RMSNorm with residual, q/k-norm + RoPE + K/V store, activation times up) against
 their PyTorch references, and their rows' independence from the batch.
 
-Runs on CPU through Triton's interpreter (float32 and float16) and on a GPU (bf16 too). Inputs are random
+Runs on CPU through Triton's interpreter and on a GPU, in float32, float16 and bfloat16. Inputs are random
 normals (never zeros) and every output is poisoned with NaN before the call, so an unwritten element fails.
 Tolerances are in units of the output dtype's epsilon: the kernels keep the references' rounding points, so
 what differs is the float32 summation order (and, on a GPU, exp/rsqrt approximations), worth an ulp or two
@@ -20,7 +20,7 @@ from kernels.tiling import block_rows
 pytestmark = pytest.mark.correctness
 
 # bf16 is wrong in the interpreter (DESIGN.md): the CPU runs float32 and float16 only.
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]   # bf16 rounds as on GPU under the interpreter too (kernels.attention_tile.cast)
 # Tolerated ulps: float32 allows for the GPU's approximate exp/rsqrt; the 16-bit types for one rounding of a
 # float32 value that differs in its last bits, plus a second rounding where the models round twice.
 ULPS = {torch.float32: 16, torch.float16: 2, torch.bfloat16: 2}
