@@ -18,45 +18,42 @@ class BlockTables:
         self.device = device
         self.host = np.zeros((rows, width), np.int32)
         self.table = torch.zeros(rows, width, dtype=torch.int32, device=device)   # int32 [rows, width]
-        self._row: dict[int, int] = {}                    # seq_id -> row
-        self._synced: dict[int, tuple[list, int]] = {}    # seq_id -> (the block_table list synced, entries synced)
+        self._state: dict[int, list] = {}                 # seq_id -> [row, the block_table list synced, entries]
         self._free = list(range(rows - 1, 0, -1))
 
+    @torch.inference_mode()   # the table may be regrown inside a step, which makes it an inference tensor
     def rows(self, seqs) -> np.ndarray:
         """int64 [len(seqs)]: each sequence's row, after writing its new pages on host and device."""
-        out = np.empty(len(seqs), np.int64)
+        out = []
         upd_rows, upd_cols, upd_pages = [], [], []
-        for i, seq in enumerate(seqs):
-            row = self._row.get(seq.seq_id)
-            if row is None:
-                row = self._row[seq.seq_id] = self._take_row()
+        for seq in seqs:
+            state = self._state.get(seq.seq_id)   # [row, the block_table list synced, entries synced]
+            if state is None:
+                state = self._state[seq.seq_id] = [self._take_row(), None, 0]
             pages = seq.block_table
-            synced, n = self._synced.get(seq.seq_id, (None, 0))
-            if synced is not pages or n > len(pages):
-                n = 0
-            if len(pages) > n:
+            if state[1] is not pages or state[2] != len(pages):
+                n = state[2] if state[1] is pages and state[2] < len(pages) else 0
                 if len(pages) > self.width:
                     raise ValueError(f"sequence {seq.seq_id} holds {len(pages)} pages, more than max_pages_per_seq "
                                      f"({self.width})")
-                new = pages[n:]
+                row, new = state[0], pages[n:]
                 self.host[row, n:len(pages)] = new
                 upd_rows += [row] * len(new)
                 upd_cols += range(n, len(pages))
                 upd_pages += new
-                self._synced[seq.seq_id] = (pages, len(pages))
-            out[i] = row
+                state[1], state[2] = pages, len(pages)
+            out.append(state[0])
         if upd_pages:
             upd = torch.from_numpy(np.array([upd_rows, upd_cols, upd_pages], np.int64))
             if self.device.type == "cuda":
                 upd = upd.pin_memory().to(self.device, non_blocking=True)
             self.table[upd[0], upd[1]] = upd[2].to(torch.int32)
-        return out
+        return np.array(out, np.int64)
 
     def release(self, seq_id: int) -> None:
-        row = self._row.pop(seq_id, None)
-        self._synced.pop(seq_id, None)
-        if row is not None:
-            self._free.append(row)
+        state = self._state.pop(seq_id, None)
+        if state is not None:
+            self._free.append(state[0])
 
     def _take_row(self) -> int:
         if not self._free:   # grow: twice the rows, old rows kept

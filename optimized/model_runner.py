@@ -132,23 +132,25 @@ class ModelRunner:
         Returns the sequences that sample this step (the batch's `samples`), in logits-row order.
         """
         prefill, decode = [], []
+        threshold = self.split_kv_threshold
         for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
             start = seq.num_computed_tokens
-            split = n == 1 and start >= seq.num_prompt_tokens and start + 1 > self.split_kv_threshold
-            (decode if split else prefill).append((seq, n, samples))
+            split = n == 1 and start >= seq.num_prompt_tokens and start + 1 > threshold
+            (decode if split else prefill).append((seq, n, samples, start))
         entries = prefill + decode
-        b = len(entries)
-        n = np.fromiter((e[1] for e in entries), np.int64, b)
-        start = np.fromiter((e[0].num_computed_tokens for e in entries), np.int64, b)
-        samples = np.fromiter((e[2] for e in entries), bool, b)
-        rows = self.tables.rows([e[0] for e in entries])
+        seqs, n, samples, start = zip(*entries) if entries else ((), (), (), ())
+        n, start, samples = np.array(n, np.int64), np.array(start, np.int64), np.array(samples, bool)
+        rows = self.tables.rows(seqs)
         ends = np.cumsum(n)
-        owner = np.repeat(np.arange(b), n)             # row of the batch each token belongs to
-        pos = start[owner] + np.arange(int(ends[-1]) if b else 0) - (ends - n)[owner]
+        owner = np.repeat(np.arange(len(entries)), n)   # row of the batch each token belongs to
+        pos = start[owner] + np.arange(int(ends[-1]) if entries else 0) - (ends - n)[owner]
         slots = self.tables.host[rows[owner], pos // self.page_size].astype(np.int64) * self.page_size \
             + pos % self.page_size
-        ids = np.fromiter(itertools.chain.from_iterable(s.token_ids[c:c + k] for (s, k, _), c in zip(entries, start)),
-                          np.int64, len(pos))
+        if len(prefill):
+            ids = np.fromiter(itertools.chain.from_iterable(s.token_ids[c:c + k] for s, k, _, c in entries),
+                              np.int64, len(pos))
+        else:   # decodes only: each computes its last token
+            ids = np.array([s.token_ids[-1] for s in seqs], np.int64)
         host = HostStep(ids=ids, positions=pos, slots=slots, logits_indices=(ends - 1)[samples], rows=rows,
                         seq_lens=(start + n).astype(np.int32), query_start_loc=np.concatenate(
                             ([0], ends[:len(prefill)])).astype(np.int32), num_prefill=len(prefill))
