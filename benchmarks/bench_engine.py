@@ -1,23 +1,41 @@
-"""Engine throughput: optimized.Engine beside HF transformers `generate`, same prompts, same run (GPU).
+"""Engine throughput against the hardware's roofline and HF transformers, same process, same prompts (GPU).
 
-Workload as nano-vllm's bench.py: 256 requests of random token ids, prompt and output lengths drawn
-from 100..1024 with a fixed seed, ignore_eos, on a random bf16 model of Qwen3-0.6B's shape. Throughput
-counts the output tokens the requests asked for. HF runs greedy, batched with left padding, on the
-first CHUNKWISE_BENCH_HF_REQUESTS requests (default 32: all 256 would take longer than a device call);
-its batches are grouped by output length and each generates its longest request's length.
+    pytest --benchmark-only benchmarks/bench_engine.py -s [--benchmark-json=out/bench.json]
 
-    pytest --benchmark-only benchmarks/bench_engine.py -s
+Two workloads on a random bf16 model of Qwen3-0.6B's shape, random token ids, ignore_eos (throughput
+counts the output tokens the requests asked for):
+  decode   256 requests, prompts and outputs of 100..1024 tokens (nano-vllm's bench.py)
+  prefill  64 requests, prompts of 4096..8192 tokens, outputs of 64..128
+Per workload:
+  roofline     the ideal engine's time (benchmarks/roofline.py) from copy bandwidth and bf16 matmul rate
+               measured first in this process; every engine is reported as a percentage of it.
+  optimized    optimized.Engine: construction (its own warm-up included), then a first run on prompts of
+               the same shape but another seed (the first workload a user runs), then the timed run.
+               Both runs are asserted to hit no prefix-cache page, and the timed run to compile no
+               Triton kernel (every specialisation it uses was compiled before it).
+  hf_generate  HF `generate`, greedy, batched with left padding, on the first requests (see HF_REQUESTS);
+               batches grouped by output length, each generating its longest request's length.
+  hf_cb        HF continuous batching (`paged|sdpa` attention, one manager, per-request max_new_tokens) on
+               the first requests (see CB_REQUESTS).
+A table is printed at the end and a PNG plot of tokens/s against the roofline is written next to the JSON
+(--benchmark-json), else to .benchmarks/bench_engine.png. CHUNKWISE_BENCH_BREAKDOWN=1 adds a run per
+workload under `StepTimer` (schedule / prepare / forward / sample / postprocess per step, decode forwards
+against their own memory roofline) and a kernel count per layer of an eager decode forward.
 """
 from __future__ import annotations
 
+import gc
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks.roofline import ModelCost, measure_ceilings, workload_roofline
 from chunkwise.checkpoints import tiny_checkpoint
+from chunkwise.config import ModelConfig
 from optimized import Engine, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -25,11 +43,26 @@ pytestmark = pytest.mark.gpu
 QWEN3_0_6B_SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                         num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                         max_position_embeddings=40960, tie_word_embeddings=True, initializer_range=0.02)
-NUM_REQUESTS = 256
-MIN_LEN, MAX_LEN = 100, 1024
-HF_REQUESTS = int(os.environ.get("CHUNKWISE_BENCH_HF_REQUESTS", "32"))
-HF_BATCH = 16
-RESULTS: dict[str, float] = {}
+
+
+@dataclass(frozen=True)
+class Spec:
+    requests: int
+    prompt: tuple[int, int]
+    output: tuple[int, int]
+    max_num_seqs: int
+    hf_requests: int      # HF generate runs on the first ones
+    hf_batch: int
+    cb_requests: int      # HF continuous batching runs on the first ones
+
+
+SPECS = {
+    # The HF subsets keep each baseline under about a minute on an H200 (HF generate ran 254 tok/s there).
+    "decode": Spec(256, (100, 1024), (100, 1024), 256, hf_requests=16, hf_batch=16, cb_requests=16),
+    "prefill": Spec(64, (4096, 8192), (64, 128), 64, hf_requests=8, hf_batch=4, cb_requests=8),
+}
+BREAKDOWN = os.environ.get("CHUNKWISE_BENCH_BREAKDOWN") == "1"
+RESULTS: dict[str, dict[str, dict]] = {name: {} for name in SPECS}
 
 
 @dataclass
@@ -37,13 +70,41 @@ class Workload:
     prompts: list[list[int]]
     output_lens: list[int]
 
+    def head(self, n: int) -> "Workload":
+        return Workload(self.prompts[:n], self.output_lens[:n])
 
-def make_workload(n: int, vocab: int, lo: int = MIN_LEN, hi: int = MAX_LEN, seed: int = 0) -> Workload:
+
+def make_workload(spec: Spec, vocab: int, seed: int) -> Workload:
     gen = torch.Generator().manual_seed(seed)
-    prompt_lens = torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
-    output_lens = torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
+    prompt_lens = torch.randint(spec.prompt[0], spec.prompt[1] + 1, (spec.requests,), generator=gen).tolist()
+    output_lens = torch.randint(spec.output[0], spec.output[1] + 1, (spec.requests,), generator=gen).tolist()
     prompts = [torch.randint(3, vocab, (p,), generator=gen).tolist() for p in prompt_lens]
     return Workload(prompts, output_lens)
+
+
+def sync():
+    torch.cuda.synchronize()
+
+
+COMPILED: list[str] = []   # Triton kernels compiled (or loaded from the disk cache) in this process, in order
+
+
+def triton_compiles() -> int:
+    return len(COMPILED)
+
+
+def _count_compile(*args, **kwargs):
+    COMPILED.append(str(kwargs.get("repr", "?"))[:160])
+    return False
+
+
+def _install_compile_counter():
+    import triton
+    try:
+        triton.knobs.runtime.jit_post_compile_hook = _count_compile
+    except AttributeError:   # older Triton: the hook lives on JITFunction
+        from triton.runtime.jit import JITFunction
+        JITFunction.compiled_hook = _count_compile
 
 
 def run_engine(eng: Engine, w: Workload) -> tuple[int, float]:
@@ -54,15 +115,14 @@ def run_engine(eng: Engine, w: Workload) -> tuple[int, float]:
     outs = eng.generate(w.prompts, params, use_tqdm=False)
     sync()
     seconds = time.perf_counter() - start
-    tokens = sum(len(o.token_ids) for o in outs)
-    assert tokens == sum(w.output_lens)
-    return tokens, seconds
+    assert [len(o.token_ids) for o in outs] == w.output_lens
+    assert sum(o.num_cached_tokens for o in outs) == 0, "a prompt hit the prefix cache"
+    return sum(w.output_lens), seconds
 
 
 def run_hf(model, w: Workload, batch_size: int) -> tuple[int, float]:
     """(requested output tokens, seconds) through HF generate, greedy, batches grouped by output length."""
     order = sorted(range(len(w.prompts)), key=lambda i: w.output_lens[i])
-    device = next(model.parameters()).device
     sync()
     start = time.perf_counter()
     for b in range(0, len(order), batch_size):
@@ -74,16 +134,40 @@ def run_hf(model, w: Workload, batch_size: int) -> tuple[int, float]:
             ids[row, width - len(w.prompts[i]):] = torch.tensor(w.prompts[i])
             mask[row, width - len(w.prompts[i]):] = 1
         new = max(w.output_lens[i] for i in idx)
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
+        out = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=new,
                              min_new_tokens=new, do_sample=False, pad_token_id=0)
         assert out.shape[1] == width + new
     sync()
     return sum(w.output_lens[i] for i in order), time.perf_counter() - start
 
 
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+def run_hf_cb(model, w: Workload) -> tuple[int, float]:
+    """(output tokens, seconds) through HF continuous batching: one manager (its own warm-up, CUDA-graph
+    capture included, is not timed), every request added at once with its own max_new_tokens, EOS disabled."""
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    gc = GenerationConfig(do_sample=False, max_new_tokens=max(w.output_lens), pad_token_id=0)
+    gc.eos_token_id = None   # the manager turns a missing EOS into -1: never stop early
+    hints = WorkloadHints(max_prompt_length=max(map(len, w.prompts)), max_generated_length=max(w.output_lens),
+                          num_requests=len(w.prompts))
+    with model.continuous_batching_context_manager(generation_config=gc, block=True, timeout=60,
+                                                   workload_hints=hints) as manager:
+        sync()
+        start = time.perf_counter()
+        ids = [manager.add_request(p, max_new_tokens=m, eos_token_id=-1) for p, m in zip(w.prompts, w.output_lens)]
+        done = {}
+        while len(done) < len(ids):
+            r = manager.get_result(timeout=1)
+            if r is None:
+                if not manager.is_running():
+                    raise RuntimeError("HF continuous batching stopped before every request finished")
+            elif r.is_finished():
+                done[r.request_id] = r
+        sync()
+        seconds = time.perf_counter() - start
+    assert sorted(len(done[i].generated_tokens) for i in ids) == sorted(w.output_lens)
+    return sum(w.output_lens), seconds
 
 
 @pytest.fixture(scope="module")
@@ -92,34 +176,179 @@ def ckpt():
 
 
 @pytest.fixture(scope="module")
-def workload():
-    return make_workload(NUM_REQUESTS, QWEN3_0_6B_SHAPE["vocab_size"])
+def ceilings():
+    _install_compile_counter()
+    c = measure_ceilings()
+    print(f"\nceilings: copy {c.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul {c.matmul_flops_per_s / 1e12:.0f} "
+          f"TFLOP/s ({torch.cuda.get_device_name()})")
+    return c
 
 
-def test_optimized_engine_throughput(benchmark, ckpt, workload):
-    eng = Engine(ckpt, dtype="bfloat16", max_model_len=2 * MAX_LEN + 16, max_num_batched_tokens=8192,
-                 max_num_seqs=256)
-    run_engine(eng, make_workload(8, QWEN3_0_6B_SHAPE["vocab_size"], 20, 40, seed=1))   # compile kernels
-    tokens, seconds = benchmark.pedantic(run_engine, args=(eng, workload), rounds=1, iterations=1)
-    RESULTS["optimized"] = tokens / seconds
-    benchmark.extra_info.update(output_tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds,
-                                num_pages=eng.runner.num_pages, cuda_graphs=len(eng.runner.graphs))
-    print(f"\noptimized.Engine: {tokens} output tokens in {seconds:.1f} s = {tokens / seconds:.0f} tok/s "
-          f"({len(workload.prompts)} requests, {eng.runner.num_pages} pages of {eng.page_size})")
-    del eng
+@pytest.fixture(scope="module")
+def cost(ckpt):
+    return ModelCost.of(ModelConfig.from_dir(ckpt), ckpt)
+
+
+@pytest.fixture(scope="module", params=list(SPECS))
+def case(request, ceilings, cost):
+    name = request.param
+    spec = SPECS[name]
+    w = make_workload(spec, QWEN3_0_6B_SHAPE["vocab_size"], seed=0)
+    roof = workload_roofline(cost, list(map(len, w.prompts)), w.output_lens, ceilings)
+    RESULTS[name]["roofline"] = dict(tokens_per_s=roof["tokens_per_s"], seconds=roof["seconds"])
+    print(f"\n[{name}] roofline {roof['seconds']:.2f} s = {roof['tokens_per_s']:.0f} tok/s (prefill "
+          f"{roof['prefill_s']:.2f} s, {roof['decode_steps']} decode steps {roof['decode_s']:.2f} s, "
+          f"KV read {roof['kv_read_tb']:.1f} TB)")
+    return name, spec, w, roof
+
+
+def engine_for(ckpt, spec: Spec) -> Engine:
+    max_len = spec.prompt[1] + spec.output[1] + 16
+    return Engine(ckpt, dtype="bfloat16", max_model_len=max_len, max_num_batched_tokens=8192,
+                  max_num_seqs=spec.max_num_seqs)
+
+
+def record(name: str, engine: str, tokens: int, seconds: float, roof: dict, benchmark=None, **extra):
+    r = dict(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds,
+             pct_roofline=100 * tokens / seconds / roof["tokens_per_s"], **extra)
+    RESULTS[name][engine] = r
+    if benchmark is not None:
+        benchmark.extra_info.update(r, roofline_tokens_per_s=roof["tokens_per_s"])
+    print(f"[{name}] {engine}: {tokens} tokens in {seconds:.2f} s = {r['tokens_per_s']:.0f} tok/s "
+          f"({r['pct_roofline']:.1f}% of roofline) {extra or ''}")
+
+
+def test_optimized_engine(benchmark, ckpt, case, ceilings, cost):
+    name, spec, w, roof = case
+    gc.collect()
+    torch.cuda.empty_cache()
+    compiles = triton_compiles()
+    start = time.perf_counter()
+    eng = engine_for(ckpt, spec)
+    try:
+        construct = time.perf_counter() - start
+        print(f"[{name}] Engine(...) took {construct:.1f} s, compiling {triton_compiles() - compiles} Triton kernels")
+        if name == list(SPECS)[0]:
+            assert triton_compiles() > compiles, "the Triton compile counter saw nothing: it cannot vouch for the runs"
+        compiles = triton_compiles()
+        first = make_workload(spec, QWEN3_0_6B_SHAPE["vocab_size"], seed=1)
+        tokens, seconds = run_engine(eng, first)
+        record(name, "optimized_first", tokens, seconds, roof, construct_s=round(construct, 2),
+               compiles=triton_compiles() - compiles)
+        compiles = triton_compiles()
+        tokens, seconds = benchmark.pedantic(run_engine, args=(eng, w), rounds=1, iterations=1)
+        timed_compiles = COMPILED[compiles:]
+        record(name, "optimized", tokens, seconds, roof, benchmark, compiles=len(timed_compiles),
+               num_pages=eng.runner.num_pages, cuda_graphs=len(eng.runner.graphs))
+        if BREAKDOWN:
+            from benchmarks.step_timer import StepTimer, format_summary
+            timer = StepTimer(eng)
+            run_engine(eng, make_workload(spec, QWEN3_0_6B_SHAPE["vocab_size"], seed=2))
+            RESULTS[name]["breakdown"] = timer.summary(cost, ceilings)
+            print(format_summary(f"[{name}]", RESULTS[name]["breakdown"]))
+            print(f"[{name}] kernels per layer, eager decode forward of 64 sequences: {kernels_per_layer(eng):.1f}")
+    finally:   # the KV cache fills the GPU: free it even when a check failed
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert not timed_compiles, f"the timed run compiled Triton kernels: {timed_compiles}"
+
+
+def kernels_per_layer(eng: Engine) -> float:
+    """GPU kernels an eager decode forward of 64 sequences launches, per layer (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from optimized.model_runner import _synthetic_step
+    runner = eng.runner
+    inp = runner._upload(_synthetic_step([], 64))
+    with torch.inference_mode():
+        runner.model.forward(inp, runner.kv_caches)
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.model.forward(inp, runner.kv_caches)
+            sync()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(kernels) / eng.config.num_layers
+
+
+def test_hf_generate(benchmark, ckpt, case, ceilings, cost):
+    from transformers import AutoModelForCausalLM
+
+    name, spec, w, roof = case
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    warm = make_workload(spec, QWEN3_0_6B_SHAPE["vocab_size"], seed=1).head(2)
+    run_hf(model, Workload(warm.prompts, [8, 8]), spec.hf_batch)   # CUDA and cuBLAS set-up (nothing compiles)
+    sub = w.head(spec.hf_requests)
+    tokens, seconds = benchmark.pedantic(run_hf, args=(model, sub, spec.hf_batch), rounds=1, iterations=1)
+    sub_roof = workload_roofline(cost, list(map(len, sub.prompts)), sub.output_lens, ceilings)
+    record(name, "hf_generate", tokens, seconds, sub_roof, benchmark, requests=len(sub.prompts))
+    del model
+    gc.collect()
     torch.cuda.empty_cache()
 
 
-def test_hf_generate_throughput(benchmark, ckpt, workload):
+def test_hf_continuous_batching(benchmark, ckpt, case, ceilings, cost):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
-    subset = Workload(workload.prompts[:HF_REQUESTS], workload.output_lens[:HF_REQUESTS])
-    run_hf(model, make_workload(2, QWEN3_0_6B_SHAPE["vocab_size"], 20, 40, seed=1), HF_BATCH)   # warm-up
-    tokens, seconds = benchmark.pedantic(run_hf, args=(model, subset, HF_BATCH), rounds=1, iterations=1)
-    RESULTS["hf"] = tokens / seconds
-    ratio = RESULTS.get("optimized", float("nan")) / RESULTS["hf"]
-    benchmark.extra_info.update(output_tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds,
-                                requests=len(subset.prompts), batch_size=HF_BATCH, optimized_over_hf=ratio)
-    print(f"\nHF generate: {tokens} output tokens of {len(subset.prompts)} requests in {seconds:.1f} s = "
-          f"{tokens / seconds:.0f} tok/s; optimized/HF = {ratio:.2f}x")
+    name, spec, w, roof = case
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16,
+                                                 attn_implementation="paged|sdpa").cuda()
+    sub = w.head(spec.cb_requests)
+    tokens, seconds = benchmark.pedantic(run_hf_cb, args=(model, sub), rounds=1, iterations=1)
+    sub_roof = workload_roofline(cost, list(map(len, sub.prompts)), sub.output_lens, ceilings)
+    record(name, "hf_cb", tokens, seconds, sub_roof, benchmark, requests=len(sub.prompts))
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report(request):
+    """The table of every engine per workload, and the plot, once the module's benchmarks are done."""
+    yield
+    if any(RESULTS.values()):
+        print_table_and_plot(request.config)
+
+
+def print_table_and_plot(config):
+    lines = [f"{'workload':8} {'engine':16} {'tok/s':>9} {'% roofline':>10} {'vs hf_cb':>9} {'seconds':>8}  notes"]
+    for name, res in RESULTS.items():
+        cb = res.get("hf_cb", {}).get("tokens_per_s")
+        for engine, r in res.items():
+            if engine == "breakdown":
+                continue
+            pct = f"{r['pct_roofline']:.1f}" if "pct_roofline" in r else "100"
+            vs = f"{r['tokens_per_s'] / cb:.1f}x" if cb else "-"
+            notes = {k: v for k, v in r.items() if k not in ("tokens", "seconds", "tokens_per_s", "pct_roofline")}
+            lines.append(f"{name:8} {engine:16} {r['tokens_per_s']:9.0f} {pct:>10} {vs:>9} "
+                         f"{r['seconds']:8.2f}  {notes or ''}")
+    print("\n" + "\n".join(lines))
+    json_path = config.getoption("benchmark_json", None)
+    out = Path(getattr(json_path, "name", json_path)).parent if json_path else Path(".benchmarks")
+    out.mkdir(parents=True, exist_ok=True)
+    plot(out / "bench_engine.png")
+    print(f"plot: {out / 'bench_engine.png'}")
+
+
+def plot(path: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in RESULTS if RESULTS[n]]
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.5), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        res = {k: v for k, v in RESULTS[name].items() if k not in ("roofline", "breakdown")}
+        ax.bar(list(res), [r["tokens_per_s"] for r in res.values()], color="tab:blue")
+        for i, r in enumerate(res.values()):
+            ax.annotate(f"{r['tokens_per_s']:.0f}\n{r['pct_roofline']:.0f}%", (i, r["tokens_per_s"]),
+                        ha="center", va="bottom", fontsize=8)
+        ax.axhline(RESULTS[name]["roofline"]["tokens_per_s"], color="tab:red", ls="--", label="roofline")
+        ax.set_yscale("log")
+        ax.set_title(f"{name}-heavy workload")
+        ax.set_ylabel("output tokens/s")
+        ax.legend()
+        ax.tick_params(axis="x", labelrotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,13 +1,18 @@
 """Runs one scheduled batch: owns the paged KV cache, builds the step's tensors, the forward, sampling.
 
 KV cache per layer: k_cache, v_cache [num_pages, page_size, num_kv_heads, head_dim] in the model's dtype;
-slot = page_id * page_size + offset. Decode-only batches replay CUDA graphs captured per batch-size bucket
-(rows past the real batch are padding: slot -1, so nothing is stored, and their logits are dropped).
+slot = page_id * page_size + offset. Step inputs are built on the host with numpy (no per-token Python),
+packed into one buffer per dtype and copied once; block tables live on the device (`BlockTables`).
+Decode-only batches replay CUDA graphs captured per batch-size bucket (rows past the real batch are
+padding: slot -1, so nothing is stored, and their logits are dropped). On GPU, construction runs a
+forward per kernel specialisation class, so a user's first workload compiles nothing.
 """
 from __future__ import annotations
 
-import math
+import itertools
+from dataclasses import dataclass
 
+import numpy as np
 import psutil
 import torch
 
@@ -15,6 +20,7 @@ from chunkwise.config import ModelConfig
 from chunkwise.engine_config import EngineConfig
 from chunkwise.sampling import make_generator, sample, token_logprobs
 from kernels.split_kv import DEFAULT_SPLIT_SIZE, split_tile_config
+from optimized.block_tables import BlockTables
 from optimized.model import Model, StepInputs
 
 # The Triton interpreter runs a split-KV decode (split + merge programs) slower than a one-pass decode
@@ -22,6 +28,31 @@ from optimized.model import Model, StepInputs
 # also what the decode CUDA graphs capture.
 CPU_SPLIT_KV_THRESHOLD = 256
 CPU_KV_CACHE_CAP = 512 << 20   # bytes of KV cache a CPU engine takes by default
+ALIGN = 16   # elements: each packed input starts 16-element aligned
+
+
+@dataclass
+class HostStep:
+    """A step's inputs on the host (numpy), rows in flat-batch order: B = prefill rows then decode rows."""
+    ids: np.ndarray              # int64 [T]
+    positions: np.ndarray        # int64 [T]
+    slots: np.ndarray            # int64 [T]
+    logits_indices: np.ndarray   # int64 [N]
+    rows: np.ndarray             # int64 [B], each sequence's row of BlockTables
+    seq_lens: np.ndarray         # int32 [B], tokens in the cache after this step
+    query_start_loc: np.ndarray  # int32 [P + 1], prefill rows only
+    num_prefill: int             # P
+
+
+def _synthetic_step(chunks: list[int], num_decodes: int) -> HostStep:
+    """A step of fresh prefills (chunk lengths) and decodes at position 0 that stores nothing (slot -1)."""
+    lens = np.array(chunks + [1] * num_decodes, np.int64)
+    ends = np.cumsum(lens)
+    pos = np.arange(int(ends[-1])) - np.repeat(ends - lens, lens)
+    return HostStep(ids=np.ones(len(pos), np.int64), positions=pos, slots=np.full(len(pos), -1, np.int64),
+                    logits_indices=ends - 1, rows=np.zeros(len(lens), np.int64), seq_lens=lens.astype(np.int32),
+                    query_start_loc=np.concatenate(([0], ends[:len(chunks)])).astype(np.int32),
+                    num_prefill=len(chunks))
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
@@ -58,10 +89,13 @@ class ModelRunner:
         shape = (self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        self.tables = BlockTables(self.max_pages_per_seq, self.device)
         self.generators: dict[int, torch.Generator | None] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if self.device.type == "cuda" and not config.enforce_eager and self.split_kv_threshold == 0:
-            self._capture_graphs(config.max_num_seqs)
+        if self.device.type == "cuda":
+            self._warm_up()
+            if not config.enforce_eager and self.split_kv_threshold == 0:
+                self._capture_graphs(config.max_num_seqs)
 
     def _pool_size(self) -> int:
         """Pages the pool gets: as asked (if memory holds them) or what the memory budget allows."""
@@ -89,83 +123,107 @@ class ModelRunner:
         return num_pages
 
     # ---- step inputs -------------------------------------------------------------------------------
-    def _slots(self, seq, start: int, end: int) -> list[int]:
-        ps, table = self.page_size, seq.block_table
-        return [table[p // ps] * ps + p % ps for p in range(start, end)]
-
-    def _table(self, seqs) -> torch.Tensor:
-        width = max((len(s.block_table) for s in seqs), default=0)
-        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-        return torch.tensor(rows, dtype=torch.int32).reshape(len(seqs), width)
-
-    def prepare(self, batch) -> tuple[StepInputs, list]:
-        """Step tensors for a ScheduledBatch: paged_attention's rows first, then split-KV decodes.
+    def prepare(self, batch) -> tuple[HostStep, list]:
+        """Step inputs of a ScheduledBatch on the host, vectorised over tokens: paged_attention's rows first,
+        then split-KV decodes.
 
         A decode goes through split-KV when its sequence holds more than split_kv_threshold tokens: a rule
         on the sequence alone, so a token's path (and its bits) never depends on what else is batched.
         Returns the sequences that sample this step (the batch's `samples`), in logits-row order.
         """
         prefill, decode = [], []
+        threshold = self.split_kv_threshold
         for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
             start = seq.num_computed_tokens
-            split = n == 1 and start >= seq.num_prompt_tokens and start + 1 > self.split_kv_threshold
-            (decode if split else prefill).append((seq, n, samples))
-        ids, pos, slots, qsl, lens, logits_idx, sampled = [], [], [], [0], [], [], []
-        for seq, n, samples in prefill + decode:
-            start = seq.num_computed_tokens
-            ids += seq.token_ids[start:start + n]
-            pos += range(start, start + n)
-            slots += self._slots(seq, start, start + n)
-            lens.append(start + n)
-            if samples:
-                logits_idx.append(len(ids) - 1)
-                sampled.append(seq)
-        for _, n, _ in prefill:
-            qsl.append(qsl[-1] + n)
-        p = len(prefill)
-        host = StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64), positions=torch.tensor(pos, dtype=torch.int64),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=self._table([s for s, _, _ in prefill]), seq_lens=torch.tensor(lens[:p], dtype=torch.int32),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            decode_block_tables=self._table([s for s, _, _ in decode]),
-            decode_seq_lens=torch.tensor(lens[p:], dtype=torch.int32),
-            logits_indices=torch.tensor(logits_idx, dtype=torch.int64))
-        return host, sampled
+            split = n == 1 and start >= seq.num_prompt_tokens and start + 1 > threshold
+            (decode if split else prefill).append((seq, n, samples, start))
+        entries = prefill + decode
+        seqs, n, samples, start = zip(*entries) if entries else ((), (), (), ())
+        n, start, samples = np.array(n, np.int64), np.array(start, np.int64), np.array(samples, bool)
+        rows = self.tables.rows(seqs)
+        ends = np.cumsum(n)
+        owner = np.repeat(np.arange(len(entries)), n)   # row of the batch each token belongs to
+        pos = start[owner] + np.arange(int(ends[-1]) if entries else 0) - (ends - n)[owner]
+        slots = self.tables.host[rows[owner], pos // self.page_size].astype(np.int64) * self.page_size \
+            + pos % self.page_size
+        if len(prefill):
+            ids = np.fromiter(itertools.chain.from_iterable(s.token_ids[c:c + k] for s, k, _, c in entries),
+                              np.int64, len(pos))
+        else:   # decodes only: each computes its last token
+            ids = np.array([s.token_ids[-1] for s in seqs], np.int64)
+        host = HostStep(ids=ids, positions=pos, slots=slots, logits_indices=(ends - 1)[samples], rows=rows,
+                        seq_lens=(start + n).astype(np.int32), query_start_loc=np.concatenate(
+                            ([0], ends[:len(prefill)])).astype(np.int32), num_prefill=len(prefill))
+        return host, [e[0] for e in entries if e[2]]
 
-    def _to_device(self, host: StepInputs) -> StepInputs:
-        pin = self.device.type == "cuda"
-        return StepInputs(**{k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True)
-                             for k, v in vars(host).items()})
+    def _upload(self, host: HostStep) -> StepInputs:
+        """Device StepInputs of a host step: one copy per dtype, block tables gathered on the device."""
+        p = host.num_prefill
+        (ids, pos, slots, logits, prows, drows), d64 = self._packed(
+            [host.ids, host.positions, host.slots, host.logits_indices, host.rows[:p], host.rows[p:]], torch.int64)
+        (lens, dlens, qsl), _ = self._packed([host.seq_lens[:p], host.seq_lens[p:], host.query_start_loc],
+                                             torch.int32)
+        return StepInputs(input_ids=ids, positions=pos, slot_mapping=slots,
+                          block_tables=self.tables.table.index_select(0, prows), seq_lens=lens,
+                          query_start_loc=qsl, decode_block_tables=self.tables.table.index_select(0, drows),
+                          decode_seq_lens=dlens, logits_indices=logits)
+
+    def _packed(self, arrays, dtype):
+        """Device views of `arrays` packed into one buffer (one host-to-device copy); each view starts
+        16-element aligned, so kernels see the same pointer alignment whatever the sizes."""
+        starts, end = [], 0
+        for a in arrays:
+            starts.append(end)
+            end += -(-len(a) // ALIGN) * ALIGN
+        buf = torch.empty(max(end, 1), dtype=dtype, pin_memory=self.device.type == "cuda")
+        flat = buf.numpy()
+        for a, s in zip(arrays, starts):
+            flat[s:s + len(a)] = a
+        dev = buf.to(self.device, non_blocking=True)
+        return [dev[s:s + len(a)] for a, s in zip(arrays, starts)], dev
 
     # ---- forward -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, batch) -> tuple[list, torch.Tensor]:
         """Forward of one step; returns the sequences that sample now and their logits [N, vocab] float32."""
         host, sampled = self.prepare(batch)
-        bs = host.decode_seq_lens.shape[0]
-        if host.num_prefill_tokens == 0 and self.graphs and bs <= max(self.graphs):
-            return sampled, self._replay(host, bs)
-        return sampled, self.model.forward(self._to_device(host), self.kv_caches)
+        return sampled, self.forward(host)
+
+    def forward(self, host: HostStep) -> torch.Tensor:
+        """Logits of a prepared step: a CUDA graph replay for decode-only steps that fit one, else eager."""
+        d = len(host.rows) - host.num_prefill
+        if host.num_prefill == 0 and self.graphs and d <= max(self.graphs) and len(host.logits_indices) == d:
+            return self._replay(host, d)
+        return self.model.forward(self._upload(host), self.kv_caches)
 
     def _capture_graphs(self, max_num_seqs: int):
         """One graph per decode batch-size bucket over shared static inputs (largest first, one pool)."""
-        n = max_num_seqs
-        dev, i32, i64 = self.device, torch.int32, torch.int64
-        self.static = StepInputs(
-            input_ids=torch.zeros(n, dtype=i64, device=dev), positions=torch.zeros(n, dtype=i64, device=dev),
-            slot_mapping=torch.full((n,), -1, dtype=i64, device=dev),
-            block_tables=torch.zeros(0, self.max_pages_per_seq, dtype=i32, device=dev),
-            seq_lens=torch.zeros(0, dtype=i32, device=dev), query_start_loc=torch.zeros(1, dtype=i32, device=dev),
-            decode_block_tables=torch.zeros(n, self.max_pages_per_seq, dtype=i32, device=dev),
-            decode_seq_lens=torch.ones(n, dtype=i32, device=dev),
-            logits_indices=torch.arange(n, dtype=i64, device=dev))
+        n = self.graph_rows = max_num_seqs
+        seg = -(-n // ALIGN) * ALIGN
+        dev = self.device
+        # Static int64 inputs: ids, positions, slots, logits rows, block-table rows; int32: seq lens.
+        self.static64 = torch.zeros(5 * seg, dtype=torch.int64, device=dev)
+        self.static32 = torch.ones(seg, dtype=torch.int32, device=dev)
+        self.stage64 = torch.zeros(5 * seg, dtype=torch.int64, pin_memory=True)
+        self.stage32 = torch.ones(seg, dtype=torch.int32, pin_memory=True)
+        self.stage64.numpy()[3 * seg:4 * seg] = np.arange(seg)
+        self.stage64.numpy()[2 * seg:3 * seg] = -1
+        self.staged = torch.cuda.Event()
+        self.static64.copy_(self.stage64)
+        self.static_tables = torch.zeros(n, self.max_pages_per_seq, dtype=torch.int32, device=dev)
+        s64, s32 = self.static64, self.static32
+        empty32 = torch.zeros(0, dtype=torch.int32, device=dev)
         self.graph_logits: dict[int, torch.Tensor] = {}
         buckets = sorted({b for b in [1, 2, 4, 8, *range(16, n + 1, 16), n] if b <= n}, reverse=True)
         pool = None
         with torch.inference_mode():
             for bs in buckets:
-                inp = self._static_view(bs)
+                inp = StepInputs(
+                    input_ids=s64[:bs], positions=s64[seg:seg + bs], slot_mapping=s64[2 * seg:2 * seg + bs],
+                    block_tables=self.static_tables[:0], seq_lens=empty32,
+                    query_start_loc=torch.zeros(1, dtype=torch.int32, device=dev),
+                    decode_block_tables=self.static_tables[:bs], decode_seq_lens=s32[:bs],
+                    logits_indices=s64[3 * seg:3 * seg + bs])
                 self.model.forward(inp, self.kv_caches)  # warm-up: compiles the kernels outside capture
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
@@ -175,25 +233,42 @@ class ModelRunner:
                 self.graphs[bs] = graph
         torch.cuda.synchronize(dev)
 
-    def _static_view(self, bs: int) -> StepInputs:
-        s = self.static
-        return StepInputs(s.input_ids[:bs], s.positions[:bs], s.slot_mapping[:bs], s.block_tables, s.seq_lens,
-                          s.query_start_loc, s.decode_block_tables[:bs], s.decode_seq_lens[:bs],
-                          s.logits_indices[:bs])
-
-    def _replay(self, host: StepInputs, n: int) -> torch.Tensor:
-        bs = min(b for b in self.graphs if b >= n)
-        s = self.static
-        s.slot_mapping.fill_(-1)
-        s.decode_seq_lens.fill_(1)
-        s.input_ids[:n].copy_(host.input_ids, non_blocking=True)
-        s.positions[:n].copy_(host.positions, non_blocking=True)
-        s.slot_mapping[:n].copy_(host.slot_mapping, non_blocking=True)
-        s.decode_seq_lens[:n].copy_(host.decode_seq_lens, non_blocking=True)
-        width = host.decode_block_tables.shape[1]
-        s.decode_block_tables[:n, :width].copy_(host.decode_block_tables, non_blocking=True)
+    def _replay(self, host: HostStep, d: int) -> torch.Tensor:
+        """Decode-only step through the smallest graph bucket that holds its d rows; padding rows store
+        nothing (slot -1), read row 0 of the tables, and their logits are dropped."""
+        bs = min(b for b in self.graphs if b >= d)
+        seg = len(self.static32)
+        self.staged.synchronize()   # the last step's copy out of the staging buffers is done
+        s64, s32 = self.stage64.numpy(), self.stage32.numpy()
+        for k, (a, pad) in enumerate(((host.ids, 0), (host.positions, 0), (host.slots, -1))):
+            s64[k * seg:k * seg + d] = a
+            s64[k * seg + d:k * seg + bs] = pad
+        s64[4 * seg:4 * seg + d] = host.rows
+        s64[4 * seg + d:4 * seg + bs] = 0
+        s32[:d] = host.seq_lens
+        s32[d:bs] = 1
+        self.static64.copy_(self.stage64, non_blocking=True)
+        self.static32.copy_(self.stage32, non_blocking=True)
+        self.staged.record()
+        torch.index_select(self.tables.table, 0, self.static64[4 * seg:4 * seg + bs], out=self.static_tables[:bs])
         self.graphs[bs].replay()
-        return self.graph_logits[bs][:n]
+        return self.graph_logits[bs][:d]
+
+    def _warm_up(self):
+        """Run one eager forward per specialisation class, so no Triton kernel compiles inside a user's step.
+
+        Triton specialises a kernel on each integer argument being 1, a multiple of 16, or neither; the
+        runtime sizes here are the step's tokens, prefill sequences, decodes and sampled rows. The batches
+        below give every class of tokens and prefill sequences, each with every class of decodes. They
+        store nothing (slot -1) and read row 0 of the tables.
+        """
+        prefills = [[], [1], [16], [17], [1] * 16, [1] * 15 + [2], [1] * 16 + [16], [1] * 17]
+        with torch.inference_mode():
+            for chunks in prefills:
+                for d in (0, 1, 16, 17):
+                    if chunks or d:
+                        self.model.forward(self._upload(_synthetic_step(chunks, d)), self.kv_caches)
+        torch.cuda.synchronize(self.device)
 
     # ---- sampling ----------------------------------------------------------------------------------
     def sample(self, seqs, logits: torch.Tensor) -> tuple[dict[int, int], dict[int, dict[int, float]]]:
@@ -215,10 +290,13 @@ class ModelRunner:
 
     def release(self, seq_id: int):
         self.generators.pop(seq_id, None)
+        self.tables.release(seq_id)
 
     def gather_kv(self, seq, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [num_layers, num_tokens, kv_heads, head_dim] of a sequence's first tokens, from its pages."""
-        slots = torch.tensor(self._slots(seq, 0, num_tokens), dtype=torch.int64, device=self.device)
+        pos = np.arange(num_tokens)
+        slots = np.asarray(seq.block_table, np.int64)[pos // self.page_size] * self.page_size + pos % self.page_size
+        slots = torch.from_numpy(slots).to(self.device)
         kvh, d = self.cfg.num_kv_heads, self.cfg.head_dim
         k = torch.stack([kc.view(-1, kvh, d)[slots] for kc, _ in self.kv_caches])
         v = torch.stack([vc.view(-1, kvh, d)[slots] for _, vc in self.kv_caches])

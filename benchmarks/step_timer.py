@@ -1,0 +1,81 @@
+"""Step-time breakdown of an optimized.Engine: schedule / prepare / forward / sample / postprocess per step.
+
+Wraps the engine's own methods on the instance (nothing in the engine changes) and synchronises the device
+after the forward, so the forward's GPU time is its own and not charged to sampling. That removes any
+overlap of host and device work: the breakdown says where a step's time goes, not how fast the engine runs.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from benchmarks.roofline import Ceilings, ModelCost
+
+PHASES = ("schedule", "prepare", "forward", "sample", "postprocess")
+
+
+class StepTimer:
+    def __init__(self, engine):
+        self.engine = engine
+        self.steps: list[dict] = []
+        self._current: dict = {}
+        runner, sched = engine.runner, engine.scheduler
+        self._wrap(sched, "schedule", "schedule")
+        self._wrap(runner, "prepare", "prepare")
+        self._wrap(runner, "forward", "forward", sync=True, inspect=self._inspect)
+        self._wrap(runner, "sample", "sample")
+        self._wrap(sched, "postprocess", "postprocess")
+        self._wrap(engine, "_step", "step", new_step=True)
+
+    def _wrap(self, obj, name, phase, sync=False, inspect=None, new_step=False):
+        real = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            if new_step:
+                self._current = {}
+            if inspect is not None:
+                inspect(*args)
+            start = time.perf_counter()
+            out = real(*args, **kwargs)
+            if sync and torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self._current[phase] = self._current.get(phase, 0.0) + time.perf_counter() - start
+            if new_step and "forward" in self._current:
+                self.steps.append(self._current)
+            return out
+        setattr(obj, name, timed)
+
+    def _inspect(self, host):
+        self._current.update(tokens=len(host.ids), decode_only=host.num_prefill == 0,
+                             context_lens=np.asarray(host.seq_lens, np.int64))
+
+    def summary(self, cost: ModelCost, ceilings: Ceilings) -> dict:
+        """Mean ms per phase for decode-only and mixed steps; decode forwards against their memory roofline."""
+        out = {}
+        for kind, steps in (("decode", [s for s in self.steps if s["decode_only"]]),
+                            ("mixed", [s for s in self.steps if not s["decode_only"]])):
+            if not steps:
+                continue
+            row = {p: 1e3 * float(np.mean([s.get(p, 0.0) for s in steps])) for p in PHASES}
+            row["other"] = 1e3 * float(np.mean([s["step"] - sum(s.get(p, 0.0) for p in PHASES) for s in steps]))
+            row.update(steps=len(steps), tokens=float(np.mean([s["tokens"] for s in steps])))
+            if kind == "decode":
+                roof = [cost.decode_step(s["context_lens"])[0] / ceilings.copy_bytes_per_s for s in steps]
+                row["mem_roofline_ms"] = 1e3 * float(np.mean(roof))
+                row["forward_over_roofline"] = float(np.sum([s["forward"] for s in steps]) / np.sum(roof))
+            out[kind] = row
+        return out
+
+
+def format_summary(name: str, summary: dict) -> str:
+    lines = []
+    for kind, r in summary.items():
+        phases = " ".join(f"{p} {r[p]:.3f}" for p in (*PHASES, "other"))
+        line = f"{name} {kind}: {r['steps']} steps, {r['tokens']:.0f} tokens/step; ms/step: {phases}"
+        if "mem_roofline_ms" in r:
+            line += (f"; forward vs the step's memory roofline {r['mem_roofline_ms']:.3f} ms: "
+                     f"{r['forward_over_roofline']:.2f}x")
+        lines.append(line)
+    return "\n".join(lines)
