@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from chunkwise.config import ModelConfig
-from kernels import (act_and_mul, add_rms_norm, paged_attention, rms_norm, rope_cos_sin, rope_store,
-                     split_kv_decode)
+from kernels import (CascadeGroups, act_and_mul, add_rms_norm, cascade_decode, paged_attention, rms_norm,
+                     rope_cos_sin, rope_store, split_kv_decode)
 from kernels.split_kv import DEFAULT_SPLIT_SIZE
 
 
@@ -34,6 +34,7 @@ class StepInputs:
     decode_block_tables: torch.Tensor  # int32 [D, max_pages]
     decode_seq_lens: torch.Tensor      # int32 [D]
     logits_indices: torch.Tensor     # int64 [N], rows whose logits are sampled (each one's last new token)
+    cascade: CascadeGroups | None = None   # decodes' shared splits, read once per group (None: none shared)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -126,7 +127,10 @@ class Model:
         if p:
             paged_attention(q[:p], k_cache, v_cache, inp.block_tables, inp.seq_lens, inp.query_start_loc,
                             cfg.attn_scale, sliding_window=window, out=out[:p])
-        if p < t:
+        if p < t and inp.cascade is not None:
+            cascade_decode(q[p:], k_cache, v_cache, inp.decode_block_tables, inp.decode_seq_lens, inp.cascade,
+                           cfg.attn_scale, sliding_window=window, split_size=self.split_size, out=out[p:])
+        elif p < t:
             split_kv_decode(q[p:], k_cache, v_cache, inp.decode_block_tables, inp.decode_seq_lens,
                             cfg.attn_scale, sliding_window=window, split_size=self.split_size, out=out[p:])
         out = out.reshape(t, -1) @ lw["o"].t()

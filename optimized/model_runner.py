@@ -19,6 +19,7 @@ import torch
 from chunkwise.config import ModelConfig
 from chunkwise.engine_config import EngineConfig
 from chunkwise.sampling import make_generator, sample, token_logprobs
+from kernels.cascade import CascadeGroups, cascade_groups
 from kernels.split_kv import DEFAULT_SPLIT_SIZE, split_tile_config
 from optimized.block_tables import BlockTables
 from optimized.model import Model, StepInputs
@@ -42,6 +43,7 @@ class HostStep:
     seq_lens: np.ndarray         # int32 [B], tokens in the cache after this step
     query_start_loc: np.ndarray  # int32 [P + 1], prefill rows only
     num_prefill: int             # P
+    cascade: CascadeGroups | None = None   # the decodes' shared splits (host tensors)
 
 
 def _synthetic_step(chunks: list[int], num_decodes: int) -> HostStep:
@@ -153,8 +155,23 @@ class ModelRunner:
             ids = np.array([s.token_ids[-1] for s in seqs], np.int64)
         host = HostStep(ids=ids, positions=pos, slots=slots, logits_indices=(ends - 1)[samples], rows=rows,
                         seq_lens=(start + n).astype(np.int32), query_start_loc=np.concatenate(
-                            ([0], ends[:len(prefill)])).astype(np.int32), num_prefill=len(prefill))
+                            ([0], ends[:len(prefill)])).astype(np.int32), num_prefill=len(prefill),
+                        cascade=self._cascade(decode))
         return host, [e[0] for e in entries if e[2]]
+
+    def _cascade(self, decode) -> CascadeGroups | None:
+        """The split-KV decodes' shared splits, when cascade attention is on and two of them share one.
+
+        Decided from the block tables alone, and its result is bitwise split-KV's, so a token's bits do not
+        depend on its batch-mates. Cheap test first: sharers hold a whole split and the same first page."""
+        if not self.config.cascade_attention or len(decode) < 2:
+            return None
+        firsts = [seq.block_table[0] for seq, _, _, start in decode if start + 1 >= self.split_size]
+        if len(firsts) == len(set(firsts)):
+            return None
+        groups = cascade_groups([seq.block_table for seq, *_ in decode], [start + 1 for *_, start in decode],
+                                self.page_size, self.split_size)
+        return groups if groups.num_shared else None
 
     def _upload(self, host: HostStep) -> StepInputs:
         """Device StepInputs of a host step: one copy per dtype, block tables gathered on the device."""
@@ -166,7 +183,8 @@ class ModelRunner:
         return StepInputs(input_ids=ids, positions=pos, slot_mapping=slots,
                           block_tables=self.tables.table.index_select(0, prows), seq_lens=lens,
                           query_start_loc=qsl, decode_block_tables=self.tables.table.index_select(0, drows),
-                          decode_seq_lens=dlens, logits_indices=logits)
+                          decode_seq_lens=dlens, logits_indices=logits,
+                          cascade=host.cascade.to(self.device) if host.cascade is not None else None)
 
     def _packed(self, arrays, dtype):
         """Device views of `arrays` packed into one buffer (one host-to-device copy); each view starts
@@ -190,9 +208,11 @@ class ModelRunner:
         return sampled, self.forward(host)
 
     def forward(self, host: HostStep) -> torch.Tensor:
-        """Logits of a prepared step: a CUDA graph replay for decode-only steps that fit one, else eager."""
+        """Logits of a prepared step: a CUDA graph replay for decode-only steps that fit one, else eager
+        (cascade steps too: their grid follows the grouping)."""
         d = len(host.rows) - host.num_prefill
-        if host.num_prefill == 0 and self.graphs and d <= max(self.graphs) and len(host.logits_indices) == d:
+        if (host.num_prefill == 0 and host.cascade is None and self.graphs and d <= max(self.graphs)
+                and len(host.logits_indices) == d):
             return self._replay(host, d)
         return self.model.forward(self._upload(host), self.kv_caches)
 

@@ -1,0 +1,73 @@
+"""Cascade attention in the engine: decodes that share prefix splits are grouped each step, read the shared
+splits once, and produce exactly what split-KV alone produces (and what the reference produces)."""
+import pytest
+import torch
+from hypothesis import example, given, settings, strategies as st
+
+import reference
+from chunkwise.checkpoints import tiny_checkpoint
+from optimized import Engine, SamplingParams
+
+pytestmark = pytest.mark.correctness
+VOCAB = 384
+SPLIT = 64          # small splits: a prefix of a few hundred tokens spans several
+MAX_MODEL_LEN = 320
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    return tiny_checkpoint("qwen3", num_hidden_layers=1, num_key_value_heads=2, num_attention_heads=4,
+                           head_dim=16, hidden_size=96)
+
+
+@pytest.fixture(scope="module")
+def reference_engine(ckpt):
+    return reference.Engine(ckpt, max_model_len=MAX_MODEL_LEN)
+
+
+def run(ckpt, prompts, page_size, chunks, cascade):
+    eng = Engine(ckpt, page_size=page_size, num_pages=256, max_model_len=MAX_MODEL_LEN, split_size=SPLIT,
+                 split_kv_threshold=0, cascade_attention=cascade)
+    grouped = []
+    real = eng.runner._cascade
+
+    def spy(decode):
+        groups = real(decode)
+        grouped.append(0 if groups is None else groups.num_shared)
+        return groups
+    eng.runner._cascade = spy
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    # The first request caches the shared prompt (a system prompt); the others then arrive together, take
+    # its pages and decode side by side.
+    rids = [eng.add_request(prompts[0], params, chunks)]
+    first, outs = eng.scheduler.seqs[rids[0]], {}
+    while first.num_computed_tokens < len(prompts[0]):
+        outs.update({r.request_id: r.output for r in eng.step() if r.finished})
+    rids += [eng.add_request(p, params, chunks) for p in prompts[1:]]
+    while eng.has_unfinished():
+        outs.update({r.request_id: r.output for r in eng.step() if r.finished})
+    kv = eng.prefill_kv(prompts[-1])
+    assert eng.page_pool.num_free_pages == eng.page_pool.num_pages
+    return [outs[r].token_ids for r in rids], [outs[r].num_cached_tokens for r in rids], kv, grouped
+
+
+@settings(max_examples=settings().max_examples // 5)   # ci: 2 drawn besides the pinned ones
+@example(shared=2 * SPLIT, tails=(1, 9, 30), page_size=16, chunk=None)        # prefix ends on a split boundary
+@example(shared=2 * SPLIT + 37, tails=(5, 5, 12), page_size=5, chunk=50)      # inside a split, odd pages
+@given(shared=st.integers(SPLIT - 10, 3 * SPLIT), tails=st.lists(st.integers(1, 40), min_size=2, max_size=4),
+       page_size=st.sampled_from([1, 5, 16, 64]), chunk=st.one_of(st.none(), st.integers(17, 90)))
+def test_cascade_decodes_equal_split_kv_and_the_reference(ckpt, reference_engine, shared, tails, page_size, chunk):
+    base = [(7 * i + 3) % (VOCAB - 3) + 3 for i in range(shared)]
+    prompts = [base + [(11 * j + 5 * i) % (VOCAB - 3) + 3 for i in range(t)] for j, t in enumerate(tails)]
+    on_tokens, on_cached, (k_on, v_on), grouped = run(ckpt, prompts, page_size, chunk, True)
+    off_tokens, off_cached, (k_off, v_off), never = run(ckpt, prompts, page_size, chunk, False)
+    assert on_tokens == off_tokens
+    assert on_cached == off_cached
+    assert torch.equal(k_on, k_off) and torch.equal(v_on, v_off)
+    assert not any(never)
+    want = [o.token_ids for o in reference_engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))]
+    assert on_tokens == want
+    # The shared prompt's full pages are cached by the first request: the later ones take them and decode
+    # together, so steps group them once a whole split lies in those pages.
+    if shared // page_size * page_size >= SPLIT and len(tails) > 2:
+        assert max(grouped) > 0, f"no step grouped decodes sharing {shared} prompt tokens"
