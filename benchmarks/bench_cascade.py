@@ -1,0 +1,113 @@
+"""Cascade attention on a shared system prompt: the engine with it on and off, same process (GPU).
+
+    pytest --benchmark-only benchmarks/bench_cascade.py -s
+
+256 requests share a 4096-token system prompt, each followed by 100..500 unique tokens, and ask for 256
+output tokens (ignore_eos), on a random bf16 model of Qwen3-0.6B's shape. The system prompt is cached first
+by one request, as a server's would be; every request then takes its pages. Reported per mode: end-to-end
+output tokens/s, decode-only throughput (steps that only decode), and both against the roofline of an
+engine that reads the shared prompt's KV once per step (copy bandwidth and matmul rate measured first).
+"""
+from __future__ import annotations
+
+import gc
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.bench_engine import QWEN3_0_6B_SHAPE
+from benchmarks.roofline import ModelCost, measure_ceilings, step_seconds
+from chunkwise.checkpoints import tiny_checkpoint
+from chunkwise.config import ModelConfig
+from optimized import Engine, SamplingParams
+
+pytestmark = pytest.mark.gpu
+SHARED, UNIQUE, OUTPUT, REQUESTS = 4096, (100, 500), 256, 256
+RESULTS: dict[str, dict] = {}
+
+
+def workload(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    vocab = QWEN3_0_6B_SHAPE["vocab_size"]
+    system = torch.randint(3, vocab, (SHARED,), generator=gen).tolist()
+    lens = torch.randint(UNIQUE[0], UNIQUE[1] + 1, (REQUESTS,), generator=gen).tolist()
+    return system, [system + torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lens]
+
+
+def roofline(cost: ModelCost, unique_lens, ceilings) -> dict:
+    """Seconds of an ideal engine that reads the shared prompt once per decode step (and computes it once)."""
+    u = np.asarray(unique_lens)
+    prefill = (cost.prefill_flops(SHARED) + sum(cost.prefill_flops(SHARED + int(n)) - cost.prefill_flops(SHARED)
+                                                for n in u)) / ceilings.matmul_flops_per_s
+    decode = 0.0
+    for s in range(1, OUTPUT):
+        nbytes, flops = cost.decode_step(u + s)            # each sequence's own tokens
+        nbytes += SHARED * cost.kv_bytes_per_token          # the shared prompt, once
+        flops += cost.attn_flops_per_key * SHARED * len(u)
+        decode += step_seconds(nbytes, flops, ceilings)
+    return dict(seconds=prefill + decode, decode_s=decode, tokens_per_s=REQUESTS * OUTPUT / (prefill + decode),
+                decode_tokens_per_s=REQUESTS * (OUTPUT - 1) / decode)
+
+
+def run(eng: Engine, system, prompts) -> dict:
+    eng.generate([system + [5]], SamplingParams(max_tokens=1))   # caches the system prompt's pages
+    decode_time, decode_tokens = 0.0, 0
+    step = eng._step
+
+    def timed_step():   # decode-only steps, timed to the GPU's end
+        decode_only = all(s.num_computed_tokens >= s.num_prompt_tokens for s in eng.scheduler.running) \
+            and not eng.scheduler.waiting
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = step()
+        torch.cuda.synchronize()
+        if decode_only:
+            nonlocal decode_time, decode_tokens
+            decode_time += time.perf_counter() - t
+            decode_tokens += sum(len(o.new_token_ids) for o in out)
+        return out
+    eng._step = timed_step
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = eng.generate(prompts, SamplingParams(max_tokens=OUTPUT, ignore_eos=True), use_tqdm=False)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    del eng._step
+    assert all(len(o.token_ids) == OUTPUT for o in outs)
+    assert min(o.num_cached_tokens for o in outs) >= SHARED - eng.page_size, "a request missed the cached prompt"
+    return dict(tokens_per_s=REQUESTS * OUTPUT / seconds, seconds=seconds,
+                decode_tokens_per_s=decode_tokens / decode_time, outputs=[o.token_ids for o in outs])
+
+
+@pytest.mark.parametrize("cascade", [False, True], ids=["cascade_off", "cascade_on"])
+def test_shared_system_prompt(benchmark, cascade):
+    ckpt = tiny_checkpoint("qwen3", seed=0, **QWEN3_0_6B_SHAPE)
+    if "ceilings" not in RESULTS:
+        RESULTS["ceilings"] = measure_ceilings()
+        system, prompts = workload(seed=0)
+        RESULTS["roofline"] = roofline(ModelCost.of(ModelConfig.from_dir(ckpt), ckpt),
+                                       [len(p) - SHARED for p in prompts], RESULTS["ceilings"])
+    eng = Engine(ckpt, dtype="bfloat16", max_model_len=SHARED + UNIQUE[1] + OUTPUT + 16,
+                 max_num_batched_tokens=8192, max_num_seqs=REQUESTS, cascade_attention=cascade)
+    try:
+        run(eng, *workload(seed=1))   # warm-up on other prompts: compiles what the timed run uses
+        r = benchmark.pedantic(run, args=(eng, *workload(seed=0)), rounds=1, iterations=1)
+    finally:
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    roof = RESULTS["roofline"]
+    r["pct_roofline"] = 100 * r["tokens_per_s"] / roof["tokens_per_s"]
+    r["decode_pct_roofline"] = 100 * r["decode_tokens_per_s"] / roof["decode_tokens_per_s"]
+    RESULTS["on" if cascade else "off"] = r
+    benchmark.extra_info.update({k: v for k, v in r.items() if k != "outputs"})
+    print(f"\ncascade {'on' if cascade else 'off'}: {r['tokens_per_s']:.0f} tok/s end to end "
+          f"({r['pct_roofline']:.1f}% of {roof['tokens_per_s']:.0f}), decode {r['decode_tokens_per_s']:.0f} tok/s "
+          f"({r['decode_pct_roofline']:.1f}% of {roof['decode_tokens_per_s']:.0f})")
+    if "on" in RESULTS and "off" in RESULTS:
+        on, off = RESULTS["on"], RESULTS["off"]
+        print(f"cascade on/off: end to end {on['tokens_per_s'] / off['tokens_per_s']:.2f}x, decode "
+              f"{on['decode_tokens_per_s'] / off['decode_tokens_per_s']:.2f}x; outputs identical: "
+              f"{on['outputs'] == off['outputs']}")
