@@ -52,7 +52,7 @@ class ModelRunner:
         if self.split_size % block_n:
             raise ValueError(f"split_size must be a multiple of {block_n} (the split-KV tile for head_dim "
                              f"{cfg.head_dim}), got {self.split_size}")
-        self.model = Model(cfg, weights, split_size=self.split_size)
+        self.model = Model(cfg, weights, split_size=self.split_size, deterministic=config.deterministic)
         self.max_pages_per_seq = config.max_pages_per_seq
         self.num_pages = self._pool_size()
         shape = (self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
