@@ -31,7 +31,7 @@ class Case:
     page_size: int
     max_num_batched_tokens: int
     max_num_seqs: int
-    num_pages: int | None                  # None: roomy
+    num_pages: int | None                  # None: room for every arrival at full length, and more
     prefix_caching: bool
     split_kv_threshold: int | None         # 0: decodes take the decode path; None: the device's default
     arrivals: tuple[Arrival, ...]
@@ -67,10 +67,27 @@ def cases(draw, prompt_lens: list[int], max_tokens: int, max_page_size: int = 9)
                 draw(st.sampled_from([0, None])), arrivals, cuts(draw, prompt_lens[chosen[0]] + max_tokens - 1))
 
 
+def solo_run(model, prompts: list[list[int]], max_tokens: int, deterministic: bool = True, **engine_kwargs):
+    """Each prompt alone and unchunked (page size 16): its greedy tokens, and the K/V of prompt + all generated
+    tokens but the last computed by one prefill in a fresh engine without prefix caching (nothing reused)."""
+    # An explicit pool: sizing one from free GPU memory would count the allocator's cache of earlier engines.
+    pages = math.ceil((max(map(len, prompts)) + max_tokens) / 16) + 4
+
+    def engine():
+        return Engine(model, deterministic=deterministic, page_size=16, num_pages=pages, enable_prefix_caching=False,
+                      **engine_kwargs)
+    eng = engine()
+    tokens = [eng.generate([p], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].token_ids for p in prompts]
+    del eng
+    eng = engine()
+    return tokens, [eng.prefill_kv(p + t[:-1]) for p, t in zip(prompts, tokens)]
+
+
 def run_case(model, prompts: list[list[int]], case: Case, max_tokens: int, deterministic: bool = True,
              **engine_kwargs) -> Outcome:
+    roomy = 2 * sum(math.ceil((len(prompts[a.prompt]) + max_tokens) / case.page_size) for a in case.arrivals) + 8
     eng = Engine(model, page_size=case.page_size, max_num_batched_tokens=case.max_num_batched_tokens,
-                 max_num_seqs=case.max_num_seqs, num_pages=case.num_pages, enable_prefix_caching=case.prefix_caching,
+                 max_num_seqs=case.max_num_seqs, num_pages=case.num_pages or roomy, enable_prefix_caching=case.prefix_caching,
                  split_kv_threshold=case.split_kv_threshold, deterministic=deterministic, **engine_kwargs)
     greedy = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     pending = sorted(case.arrivals, key=lambda a: a.step)

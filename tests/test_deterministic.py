@@ -7,9 +7,9 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 from chunkwise.checkpoints import tiny_checkpoint
-from deterministic_cases import Arrival, Case, assert_bitwise, cases, run_case
+from deterministic_cases import Arrival, Case, assert_bitwise, cases, run_case, solo_run
 from kernels import matmul, matmul_ref
-from optimized import Engine, SamplingParams
+from optimized import Engine
 
 VOCAB = 384
 PROMPT_LENS = [13, 6, 9, 70]   # the last one only in LONG
@@ -38,20 +38,11 @@ def prompts(random_prompt):
     return [random_prompt(n, VOCAB, seed=i) for i, n in enumerate(PROMPT_LENS)]
 
 
-def solo_run(ckpt, prompts, deterministic):
-    """Each prompt alone and unchunked (page size 16): its greedy tokens, and the K/V of prompt + all generated
-    tokens but the last computed by one prefill in a fresh engine without prefix caching (nothing reused)."""
-    def engine():
-        return Engine(ckpt, deterministic=deterministic, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False)
-    eng = engine()
-    tokens = [eng.generate([p], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].token_ids for p in prompts]
-    assert all(len(set(t)) > 1 for t in tokens), f"degenerate greedy output {tokens}"
-    return tokens, [engine().prefill_kv(p + t[:-1]) for p, t in zip(prompts, tokens)]
-
-
 @pytest.fixture(scope="module")
 def solo(ckpt, prompts):
-    return solo_run(ckpt, prompts, deterministic=True)
+    tokens, kv = solo_run(ckpt, prompts, MAX_TOKENS, max_model_len=MAX_MODEL_LEN)
+    assert all(len(set(t)) > 1 for t in tokens), f"degenerate greedy output {tokens}"
+    return tokens, kv
 
 
 @given(m=st.integers(1, 80), n=st.integers(1, 300), k=st.integers(1, 150), dtype=st.sampled_from(
@@ -114,5 +105,10 @@ def test_default_mode_is_not_batch_invariant_on_cpu_where_the_blas_rounds_by_row
                 split_kv_threshold=None, arrivals=(Arrival(0, 0, (8, 5)),), readback_chunks=(1, 16))
     with pytest.raises(AssertionError, match="differs") as failure:
         assert_bitwise(run_case(ckpt, one, case, MAX_TOKENS, deterministic=False, max_model_len=MAX_MODEL_LEN),
-                       case, *solo_run(ckpt, one, deterministic=False))
+                       case, *solo_run(ckpt, one, MAX_TOKENS, deterministic=False, max_model_len=MAX_MODEL_LEN))
     print(failure.value)
+
+
+def test_deterministic_must_be_a_bool(ckpt):
+    with pytest.raises(ValueError, match="deterministic must be a bool, got 'yes'"):
+        Engine(ckpt, deterministic="yes")
