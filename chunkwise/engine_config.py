@@ -23,7 +23,8 @@ DEVICE_TYPES = ("cpu", "cuda")
 
 # Fields that only the optimized engine's paging, batching and kernels use.
 REFERENCE_IGNORED = ("page_size", "num_pages", "gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs",
-                     "enable_prefix_caching", "enforce_eager", "split_kv_threshold", "split_size", "cascade_attention")
+                     "enable_prefix_caching", "enforce_eager", "split_kv_threshold", "split_size", "cascade_attention",
+                     "deterministic")
 
 
 def _positive_int(name: str, value, low: int = 1) -> None:
@@ -49,6 +50,8 @@ class EngineConfig:
     split_kv_threshold: int | None = None    # decodes of longer sequences take split-KV; None: 0 on GPU, 256 on CPU
     split_size: int | None = None            # split-KV split length in tokens; None: the kernels' default
     cascade_attention: bool = True           # decodes sharing prefix splits read them once per step
+    deterministic: bool = False              # batch-invariant: a token's bits independent of batch, chunks, pages
+                                             # (no split-KV then, so split_kv_threshold/split_size/cascade do not apply)
     path: Path = field(init=False, repr=False)                 # the checkpoint directory
     model_config: ModelConfig = field(init=False, repr=False)
 
@@ -57,7 +60,7 @@ class EngineConfig:
         set_("dtype", _resolve_dtype(self.dtype))
         set_("device", _resolve_device(self.device))
         _positive_int("page_size", self.page_size)
-        for name in ("enable_prefix_caching", "enforce_eager", "cascade_attention"):
+        for name in ("enable_prefix_caching", "enforce_eager", "cascade_attention", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         u = self.gpu_memory_utilization

@@ -19,6 +19,7 @@ from kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
 from kernels.fused_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
 from kernels.rope_store import rope_cos_sin, rope_store, rope_store_ref  # noqa: E402
 from kernels.activation import act_and_mul, act_and_mul_ref  # noqa: E402
+from kernels.matmul import matmul, matmul_ref  # noqa: E402
 
 __all__ = [
     "store_kv", "store_kv_ref",
@@ -28,4 +29,5 @@ __all__ = [
     "rms_norm", "rms_norm_ref", "add_rms_norm", "add_rms_norm_ref",
     "rope_cos_sin", "rope_store", "rope_store_ref",
     "act_and_mul", "act_and_mul_ref",
+    "matmul", "matmul_ref",
 ]

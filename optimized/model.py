@@ -6,6 +6,12 @@ attention then reads pages only, so prefill, chunked prefill and decode read K/V
 point 3). Each residual add is folded into the norm after it (`add_rms_norm`), so a decode layer is: norm,
 QKV GEMM, rope_store, attention, O GEMM, norm, gate_up GEMM, act_and_mul, down GEMM.
 
+Deterministic mode (`deterministic=True`): every op on a token's path gives that token the same bits whatever its
+batch-mates, chunk boundaries or page size, and whether prefill, decode or a recompute computes it. The GEMMs take
+`kernels.matmul` (tiles fixed per weight, no split-K) instead of torch's M-dependent BLAS; decodes take the
+single-pass `paged_attention` that prefill rows take, not split-KV. Norms, RoPE+store and the activation already
+keep a row's bits (their rows per program depend on the width only), and RoPE's cos/sin are elementwise.
+
 Flat-batch layout (built by `ModelRunner`): tokens of the sequences that bring prompt chunks come first
 (sequence s owns rows query_start_loc[s]:query_start_loc[s+1]), then one token per decoding sequence.
 """
@@ -17,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from chunkwise.config import ModelConfig
-from kernels import (CascadeGroups, act_and_mul, add_rms_norm, cascade_decode, paged_attention, rms_norm,
+from kernels import (CascadeGroups, act_and_mul, add_rms_norm, cascade_decode, matmul, paged_attention, rms_norm,
                      rope_cos_sin, rope_store, split_kv_decode)
 from kernels.split_kv import DEFAULT_SPLIT_SIZE
 
@@ -44,8 +50,10 @@ class StepInputs:
 class Model:
     """Weights (HF names, fused where it saves launches) and the step forward; no cache of its own."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], split_size: int = DEFAULT_SPLIT_SIZE):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], split_size: int = DEFAULT_SPLIT_SIZE,
+                 deterministic: bool = False):
         self.cfg = cfg
+        self.deterministic = deterministic
         self.split_size = split_size   # split-KV split length in tokens
         self.embed = weights["model.embed_tokens.weight"]
         self.final_norm = weights["model.norm.weight"]
@@ -96,12 +104,15 @@ class Model:
         if self.embed_scale is not None:
             h = h * self.embed_scale
         rope = [rope_cos_sin(inp.positions, inv_freq) for inv_freq in self.inv_freqs]
+        # Deterministic mode: decodes go through paged_attention as one-token sequences.
+        decode_qsl = (torch.arange(inp.decode_seq_lens.shape[0] + 1, dtype=torch.int32, device=h.device)
+                      if self.deterministic else None)
         # A sublayer's output h joins the residual stream inside the next norm's kernel. Gemma normalizes h
         # first (post-attention / post-FF norm): that norm (`pending` for the post-FF one) goes in the same kernel.
         residual, pending = None, None
         for i, lw in enumerate(self.layers):
             x, residual = self._add_norm(h, residual, lw["input_norm"], pending)
-            h = self._attention(i, lw, x, inp, kv_caches[i], rope[self.rope_index[i]])
+            h = self._attention(i, lw, x, inp, kv_caches[i], rope[self.rope_index[i]], decode_qsl)
             if self.cfg.sandwich_norms:
                 x, residual = self._add_norm(h, residual, lw["pre_ff_norm"], lw["post_attn_norm"])
                 pending = lw["post_ff_norm"]
@@ -109,29 +120,37 @@ class Model:
                 x, residual = self._add_norm(h, residual, lw["post_attn_norm"])
             h = self._mlp(lw, x)
         x, _ = self._add_norm(h, residual, self.final_norm, pending)  # row-wise: norm all rows, then pick
-        logits = (x[inp.logits_indices] @ self.lm_head.t()).float()
+        logits = self._linear(x[inp.logits_indices], self.lm_head).float()
         cap = self.cfg.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 
-    def _mlp(self, lw: dict, x: torch.Tensor) -> torch.Tensor:
-        return act_and_mul(x @ lw["gate_up"].t(), self.cfg.hidden_act) @ lw["down"].t()
+    def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x @ w.T for a weight w [out, in]: batch-invariant in deterministic mode, torch's BLAS otherwise."""
+        return matmul(x, w) if self.deterministic else x @ w.t()
 
-    def _attention(self, i: int, lw: dict, x: torch.Tensor, inp: StepInputs, kv, rope) -> torch.Tensor:
+    def _mlp(self, lw: dict, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(act_and_mul(self._linear(x, lw["gate_up"]), self.cfg.hidden_act), lw["down"])
+
+    def _attention(self, i: int, lw: dict, x: torch.Tensor, inp: StepInputs, kv, rope,
+                   decode_qsl: torch.Tensor | None) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]
         k_cache, v_cache = kv
         cos, sin = rope
-        q = rope_store(x @ lw["qkv"].t(), lw.get("qkv_bias"), lw.get("q_norm"), lw.get("k_norm"), cos, sin,
+        q = rope_store(self._linear(x, lw["qkv"]), lw.get("qkv_bias"), lw.get("q_norm"), lw.get("k_norm"), cos, sin,
                        inp.slot_mapping, k_cache, v_cache, cfg.rms_norm_eps, cfg.norm_plus_one)
         out = torch.empty_like(q)
         window, p = cfg.window(i), inp.num_prefill_tokens
         if p:
             paged_attention(q[:p], k_cache, v_cache, inp.block_tables, inp.seq_lens, inp.query_start_loc,
                             cfg.attn_scale, sliding_window=window, out=out[:p])
-        if p < t and inp.cascade is not None:
+        if p < t and decode_qsl is not None:
+            paged_attention(q[p:], k_cache, v_cache, inp.decode_block_tables, inp.decode_seq_lens, decode_qsl,
+                            cfg.attn_scale, sliding_window=window, out=out[p:])
+        elif p < t and inp.cascade is not None:
             cascade_decode(q[p:], k_cache, v_cache, inp.decode_block_tables, inp.decode_seq_lens, inp.cascade,
                            cfg.attn_scale, sliding_window=window, split_size=self.split_size, out=out[p:])
         elif p < t:
             split_kv_decode(q[p:], k_cache, v_cache, inp.decode_block_tables, inp.decode_seq_lens,
                             cfg.attn_scale, sliding_window=window, split_size=self.split_size, out=out[p:])
-        out = out.reshape(t, -1) @ lw["o"].t()
+        out = self._linear(out.reshape(t, -1), lw["o"])
         return out + lw["o_bias"] if "o_bias" in lw else out

@@ -1,0 +1,108 @@
+"""A batch-invariant matmul: out = x @ w.T, where a row's result never depends on how many rows there are.
+
+Layouts:
+    x:    [M, K], row-major (the activations; M = tokens of the step, any number)
+    w:    [N, K], row-major (a Linear weight as HF stores it)
+    out:  [M, N], row-major, x's dtype; accumulated in float32, rounded once
+The tile shape (BLOCK_M, BLOCK_N, BLOCK_K) and warps depend only on (N, K, dtype, device), never on M; there is
+no split-K, and every program folds its K tiles in increasing order. So each output element is the same sum in
+the same order whatever M is, and a token's projection is bitwise the same in a 1-row decode step and a 512-row
+prefill chunk. cuBLAS and the CPU BLAS pick their kernel (and with it the reduction order) by M, which is why the
+engine's deterministic mode uses this instead. M is not specialised by Triton (`do_not_specialize`), so a batch of
+1 or a multiple of 16 rows runs the very same compiled code.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention_tile import INTERPRET, cast, dot, precision_for
+from kernels.tiling import check_float
+
+
+def matmul_ref(x, w):
+    """PyTorch twin of `matmul`: float32 products and sums, rounded once to x's dtype."""
+    _check(x, w)
+    return (x.float() @ w.float().t()).to(x.dtype)
+
+
+def matmul_config(n: int, k: int, dtype: torch.dtype, device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for a weight [n, k]: a function of the weight alone.
+
+    GPU: 64 rows per tile (one Hopper warpgroup MMA), so a decode batch of up to 64 rows takes one row-tile;
+    narrow weights (o_proj, down_proj) get narrow column tiles so that even a decode step spreads its weight
+    reads over a few dozen SMs. The interpreter: big tiles, since every program costs milliseconds of Python.
+    """
+    if torch.device(device).type != "cuda":
+        return 64, 256, 64, 4, 1
+    block_n = 128 if n >= 16384 else 64 if n >= 4096 else 32
+    if dtype == torch.float32:
+        return 64, block_n, 32, 4, 3
+    return 64, block_n, 64, 4, 4
+
+
+def _check(x, w):
+    check_float("x", x)
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)} must be [M, K] and [N, K]")
+    if w.dtype != x.dtype or w.device != x.device:
+        raise ValueError(f"w ({w.dtype}, {w.device}) must match x ({x.dtype}, {x.device})")
+    if not w.is_contiguous():
+        raise ValueError("w must be contiguous [N, K]")
+
+
+@triton.jit
+def _mma(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b in float32. GPU: the MMA accumulates in place. Interpreter: the row-stable `dot`."""
+    if INTERPRET:
+        acc = acc + dot(a, b, PRECISION)
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(
+    x_ptr,      # [M, K] row-major
+    w_ptr,      # [N, K] row-major
+    out_ptr,    # [M, N] row-major
+    M,          # rows: a runtime value the compiled code never depends on
+    N: tl.constexpr, K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * K
+    w_cols = w_ptr + rn.to(tl.int64)[None, :] * K
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):   # K tiles in increasing order, the same for every row
+        kk = k0 + rk
+        k_ok = kk < K
+        a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        acc = _mma(a, b, acc, PRECISION)
+    tl.store(out_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], cast(acc, out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def matmul(x, w, out=None):
+    """x [M, K] @ w[N, K].T -> [M, N] in x's dtype, each row's bits independent of M (see the module doc)."""
+    _check(x, w)
+    x = x.contiguous()
+    m, k = x.shape
+    n = w.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {x.dtype} [{m}, {n}], got {out.dtype} {tuple(out.shape)}")
+    if m == 0:
+        return out
+    block_m, block_n, block_k, num_warps, num_stages = matmul_config(n, k, x.dtype, x.device)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    _matmul_kernel[grid](x, w, out, m, N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                         PRECISION=precision_for(x.dtype), num_warps=num_warps, num_stages=num_stages)
+    return out

@@ -1,0 +1,114 @@
+"""Deterministic mode on CPU (float32, Triton's interpreter): a token's bits do not depend on its batch-mates,
+chunk boundaries, page size, arrival order, preemption or on whether prefill, decode or a recompute wrote it;
+and the default mode, whose GEMMs are torch's BLAS, does depend on them here (the tests have the power to see it).
+"""
+import pytest
+import torch
+from hypothesis import example, given, settings, strategies as st
+
+from chunkwise.checkpoints import tiny_checkpoint
+from deterministic_cases import Arrival, Case, assert_bitwise, cases, run_case, solo_run
+from kernels import matmul, matmul_ref
+from optimized import Engine
+
+VOCAB = 384
+PROMPT_LENS = [13, 6, 9, 70]   # the last one only in LONG
+MAX_TOKENS = 5
+MAX_MODEL_LEN = 80
+FEWER = settings(max_examples=max(1, settings.default.max_examples // 3))
+
+# Preempts: two requests whose pages do not fit together, the second arriving while the first decodes.
+TIGHT = Case(page_size=2, max_num_batched_tokens=8, max_num_seqs=3, num_pages=9, prefix_caching=False,
+             split_kv_threshold=0, arrivals=(Arrival(0, 0, None), Arrival(1, 1, (1, 5))), readback_chunks=(4, 4, 9))
+# Page size 1, one-token chunks, a chunk ending on a page boundary, all three prompts batched.
+MIXED = Case(page_size=1, max_num_batched_tokens=40, max_num_seqs=3, num_pages=None, prefix_caching=True,
+             split_kv_threshold=None, arrivals=(Arrival(2, 0, (1, 7, 1)), Arrival(0, 0, (8, 5)), Arrival(1, 2, None)), readback_chunks=None)
+# Decodes past 64 tokens on the decode path, where the default mode would split the KV at 64 (two splits).
+LONG = Case(page_size=5, max_num_batched_tokens=80, max_num_seqs=2, num_pages=None, prefix_caching=False,
+            split_kv_threshold=0, arrivals=(Arrival(3, 0, None), Arrival(1, 0, None)), readback_chunks=(64, 10))
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    return tiny_checkpoint("qwen3")   # q/k-norm, GQA 4/2, two layers: K/V of layer 1 depend on attention
+
+
+@pytest.fixture(scope="module")
+def prompts(random_prompt):
+    return [random_prompt(n, VOCAB, seed=i) for i, n in enumerate(PROMPT_LENS)]
+
+
+@pytest.fixture(scope="module")
+def solo(ckpt, prompts):
+    tokens, kv = solo_run(ckpt, prompts, MAX_TOKENS, max_model_len=MAX_MODEL_LEN)
+    assert all(len(set(t)) > 1 for t in tokens), f"degenerate greedy output {tokens}"
+    return tokens, kv
+
+
+@given(m=st.integers(1, 80), n=st.integers(1, 300), k=st.integers(1, 150), dtype=st.sampled_from(
+    [torch.float32, torch.float16]), data=st.data())
+@example(m=1, n=1, k=1, dtype=torch.float32, data=None)
+@example(m=65, n=257, k=65, dtype=torch.float16, data=None)   # one past every interpreter tile
+def test_matmul_matches_reference_and_a_rows_bits_ignore_the_other_rows(m, n, k, dtype, data):
+    gen = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    matmul(x, w, out=out)
+    torch.testing.assert_close(out, matmul_ref(x, w), atol=1e-5 * k if dtype == torch.float32 else 2e-3 * k,
+                               rtol=1e-3)
+    lo = data.draw(st.integers(0, m - 1)) if data else m - 1
+    hi = data.draw(st.integers(lo + 1, m)) if data else m
+    assert torch.equal(matmul(x[lo:hi], w), out[lo:hi]), f"rows {lo}:{hi} of {m} changed bits when computed alone"
+
+
+def test_matmul_refuses_mismatched_operands():
+    with pytest.raises(ValueError, match=r"x \(3, 4\) and w \(5, 6\)"):
+        matmul(torch.ones(3, 4), torch.ones(5, 6))
+    with pytest.raises(ValueError, match="w .*torch.float16.* must match x"):
+        matmul(torch.ones(3, 4), torch.ones(5, 4, dtype=torch.float16))
+    with pytest.raises(TypeError, match="x must be float32, float16 or bfloat16"):
+        matmul(torch.ones(3, 4, dtype=torch.int32), torch.ones(5, 4, dtype=torch.int32))
+
+
+@FEWER
+@given(case=cases(PROMPT_LENS[:3], MAX_TOKENS))
+@example(case=MIXED)
+def test_deterministic_tokens_and_kv_are_bitwise_whatever_the_chunks_pages_batch_arrivals_and_preemption(
+        ckpt, prompts, solo, case):
+    """Tokens, the K/V each request wrote into its pages (by prefill, decode, or recompute after a preemption) and
+    a later prefill_kv of prompt + generated tokens: all bitwise those of the prompt run alone, unchunked."""
+    outcome = run_case(ckpt, prompts, case, MAX_TOKENS, max_model_len=MAX_MODEL_LEN)
+    assert_bitwise(outcome, case, *solo)
+
+
+def test_tight_pool_preempts_and_recompute_is_bitwise(ckpt, prompts, solo):
+    outcome = run_case(ckpt, prompts, TIGHT, MAX_TOKENS, max_model_len=MAX_MODEL_LEN)
+    assert outcome.preemptions > 0, "the pinned tight pool no longer preempts: the case tests no recompute"
+    assert_bitwise(outcome, TIGHT, *solo)
+
+
+def test_long_decodes_round_like_prefill(ckpt, prompts, solo):
+    """With split_size 64 the default mode would merge two KV splits here; deterministic decodes stay one pass."""
+    outcome = run_case(ckpt, prompts, LONG, MAX_TOKENS, max_model_len=MAX_MODEL_LEN, split_size=64)
+    assert_bitwise(outcome, LONG, *solo)
+
+
+def test_default_mode_is_not_batch_invariant_on_cpu_where_the_blas_rounds_by_row_count(ckpt, prompts):
+    """The same property in the default mode fails here: proof that the tests above can see a broken mode."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(13, 64, generator=gen), torch.randn(256, 64, generator=gen)
+    if all(torch.equal(x[:m] @ w.t(), (x @ w.t())[:m]) for m in range(1, 13)):
+        pytest.skip("this host's BLAS keeps a row's bits whatever the row count: the default mode is invariant here")
+    one = [prompts[0]]   # one request, chunked: its K/V rows come from GEMMs of other row counts than alone
+    case = Case(page_size=3, max_num_batched_tokens=40, max_num_seqs=1, num_pages=None, prefix_caching=False,
+                split_kv_threshold=None, arrivals=(Arrival(0, 0, (8, 5)),), readback_chunks=(1, 16))
+    with pytest.raises(AssertionError, match="differs") as failure:
+        assert_bitwise(run_case(ckpt, one, case, MAX_TOKENS, deterministic=False, max_model_len=MAX_MODEL_LEN),
+                       case, *solo_run(ckpt, one, MAX_TOKENS, deterministic=False, max_model_len=MAX_MODEL_LEN))
+    print(failure.value)
+
+
+def test_deterministic_must_be_a_bool(ckpt):
+    with pytest.raises(ValueError, match="deterministic must be a bool, got 'yes'"):
+        Engine(ckpt, deterministic="yes")
