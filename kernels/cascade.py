@@ -33,10 +33,10 @@ import triton.language as tl
 from kernels.attention_tile import LOG2E, attend_ref, attend_tiles, gather_kv_ref, pages_per_tile, precision_for
 from kernels.split_kv import DEFAULT_SPLIT_SIZE, _check, merge_splits, merge_splits_ref, split_tile_config
 
-# Rows (members x GQA heads) per shared-split program; untuned. Bitwise equality with split-KV's 16-row tiles
-# needs a `tl.dot` whose rows do not depend on the tile's height: the interpreter's row-stable dot is; on a GPU
-# this height is still to be checked (run this module's tests there).
-CASCADE_ROWS = 64
+# A shared-split program packs its members' query heads into split-KV's own tile height (BLOCK_H rows) and
+# launches with the same tile config: on a GPU a taller tile compiles to other MMA instructions, whose rounding
+# differed from split-KV's (seen on an H200 with 64 rows), while the same tile shape gives a row the same bits
+# wherever it sits in the tile.
 
 
 @dataclass(frozen=True)
@@ -294,11 +294,11 @@ def cascade_decode(q, k_cache, v_cache, block_tables, seq_lens, groups, scale, s
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
     )
     if groups.num_shared:
-        members = max(1, CASCADE_ROWS // group)
+        members = max(1, block_h // group)
         _shared_split_kernel[(groups.num_shared, num_kv_heads, triton.cdiv(groups.max_members, members))](
             q, k_cache, v_cache, partial_out, partial_lse, block_tables, seq_lens,
             groups.split, groups.starts, groups.members, *common,
-            MEMBERS=members, BLOCK_M=max(16, triton.next_power_of_2(members * group)), **constants,
+            MEMBERS=members, BLOCK_M=block_h, **constants,
         )
     _own_split_kernel[(num_kv_heads, num_seqs, num_splits)](
         q, k_cache, v_cache, partial_out, partial_lse, block_tables, seq_lens, groups.shared_splits, *common,

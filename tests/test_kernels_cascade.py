@@ -186,7 +186,7 @@ def test_cascade_groups_shares_exactly_the_splits_whose_pages_all_members_hold(g
     assert all(list(m) == sorted(m) for _, m in found)
 
 
-def test_cascade_groups_and_decode_reject_inconsistent_input():
+def test_cascade_groups_and_decode_reject_inconsistent_input(device):
     with pytest.raises(ValueError, match="2 block tables but 1 seq_lens"):
         cascade_groups([[0], [0]], [3], 4, 64)
     with pytest.raises(ValueError, match="sequence 1: seq_len 9 must be >= 1 and fit its 2 pages of 4"):
@@ -197,13 +197,13 @@ def test_cascade_groups_and_decode_reject_inconsistent_input():
         cascade_groups([[0]], [1], 4, 0)
 
     spec = _spec([(128, (0, 0), [(None, 5), (None, 9)])])
-    cache, q, _ = _build(spec, "cpu")
-    groups = cascade_groups(cache.block_tables, cache.seq_lens, 16, 64)
+    cache, q, _ = _build(spec, device)
+    groups = cascade_groups(cache.block_tables, cache.seq_lens, 16, 64).to(device)
     args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens)
     with pytest.raises(ValueError, match="groups were made for split_size 64, not 128"):
         cascade_decode(*args, groups, 0.125, split_size=128)
     with pytest.raises(ValueError, match="groups cover 1 sequences, the batch has 2"):
-        cascade_decode(*args, cascade_groups(cache.block_tables[:1], cache.seq_lens[:1], 16, 64), 0.125,
+        cascade_decode(*args, cascade_groups(cache.block_tables[:1], cache.seq_lens[:1], 16, 64).to(device), 0.125,
                        split_size=64)
     with pytest.raises(TypeError, match="groups must be a CascadeGroups"):
         cascade_decode(*args, {"split": groups.split}, 0.125, split_size=64)
@@ -211,4 +211,7 @@ def test_cascade_groups_and_decode_reject_inconsistent_input():
                           groups.max_members, 64)
     with pytest.raises(ValueError, match="groups.split must be int32"):
         cascade_decode(*args, wrong, 0.125, split_size=64)
+    if device.type == "cuda":
+        with pytest.raises(ValueError, match="groups.split must be int32 on cuda"):
+            cascade_decode(*args, groups.to("cpu"), 0.125, split_size=64)
     assert math.isfinite(cascade_decode(*args, groups, 0.125, split_size=64).sum().item())
