@@ -13,6 +13,7 @@ Per workload:
                the same shape but another seed (the first workload a user runs), then the timed run.
                Both runs are asserted to hit no prefix-cache page, and the timed run to compile no
                Triton kernel (every specialisation it uses was compiled before it).
+  deterministic  optimized.Engine(deterministic=True), after a first run; its ratio to the default mode.
   hf_generate  HF `generate`, greedy, batched with left padding, on the first requests (see HF_REQUESTS);
                batches grouped by output length, each generating its longest request's length.
   hf_cb        HF continuous batching (`paged|sdpa` attention, one manager, per-request max_new_tokens) on
@@ -202,10 +203,10 @@ def case(request, ceilings, cost):
     return name, spec, w, roof
 
 
-def engine_for(ckpt, spec: Spec) -> Engine:
+def engine_for(ckpt, spec: Spec, deterministic: bool = False) -> Engine:
     max_len = spec.prompt[1] + spec.output[1] + 16
     return Engine(ckpt, dtype="bfloat16", max_model_len=max_len, max_num_batched_tokens=8192,
-                  max_num_seqs=spec.max_num_seqs)
+                  max_num_seqs=spec.max_num_seqs, deterministic=deterministic)
 
 
 def record(name: str, engine: str, tokens: int, seconds: float, roof: dict, benchmark=None, **extra):
@@ -252,6 +253,24 @@ def test_optimized_engine(benchmark, ckpt, case, ceilings, cost):
         gc.collect()
         torch.cuda.empty_cache()
     assert not timed_compiles, f"the timed run compiled Triton kernels: {timed_compiles}"
+
+
+def test_deterministic_engine(benchmark, ckpt, case, ceilings, cost):
+    """Engine(deterministic=True) on the same workload, after a first run that compiles what it uses."""
+    name, spec, w, roof = case
+    gc.collect()
+    torch.cuda.empty_cache()
+    eng = engine_for(ckpt, spec, deterministic=True)
+    try:
+        run_engine(eng, make_workload(spec, QWEN3_0_6B_SHAPE["vocab_size"], seed=1))
+        tokens, seconds = benchmark.pedantic(run_engine, args=(eng, w), rounds=1, iterations=1)
+    finally:
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    default = RESULTS[name].get("optimized", {}).get("tokens_per_s")
+    record(name, "deterministic", tokens, seconds, roof, benchmark,
+           vs_default=round(tokens / seconds / default, 3) if default else None)
 
 
 def kernels_per_layer(eng: Engine) -> float:
