@@ -235,6 +235,17 @@ def test_eviction_is_least_recently_used_and_tail_pages_go_first():
     assert bm.match_prefix(Sequence(4, [7, 8, 3])) == 2
 
 
+def test_an_evicted_prefix_computed_again_is_cached_again():
+    bm = PagePool(2, 1)
+    bm.free(run_prompt(bm, 0, [1, 2]))
+    bm.free(run_prompt(bm, 1, [7, 8]))           # evicts both pages of [1, 2]
+    assert bm.match_prefix(Sequence(2, [1, 2, 3])) == 0
+    bm.free(run_prompt(bm, 3, [1, 2]))           # evicts [7, 8]; [1, 2] is cached anew
+    assert bm.match_prefix(Sequence(4, [1, 2, 3])) == 2
+    assert len(bm.cached) == 2 and all(bm.pages[p].hash == h for h, p in bm.cached.items()), \
+        "the hash table still holds evicted pages"
+
+
 def test_referenced_pages_are_never_evicted():
     bm = PagePool(3, 1)
     holder = run_prompt(bm, 0, [1, 2, 3])        # every page referenced
