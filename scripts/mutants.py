@@ -259,6 +259,7 @@ class Result:
     seconds: float
     tail: str                 # the run's last lines, for a verdict other than killed
     stage: str = ""           # which run killed it: "pinned" (explicit examples only) or "full"
+    message: str = ""         # the failing assertion's first line
 
 
 # A pytest plugin for the pinned stage: loaded after conftest.py has chosen CI's profile and before the test
@@ -302,7 +303,8 @@ def run_selection(m: Mutant | None, timeout: float = DEFAULT_TIMEOUT, pinned_onl
     stage = "pinned" if pinned_only else "full"
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, flags=re.M)
     if proc.returncode == 1 and failed:
-        return Result(m, "killed", " ".join(failed) if m is None else failed[0], seconds, "", stage)
+        message = next(iter(re.findall(r"^E +(.+)$", out, flags=re.M)), "")
+        return Result(m, "killed", " ".join(failed) if m is None else failed[0], seconds, "", stage, message[:300])
     if proc.returncode == 0:
         return Result(m, "SURVIVED", "", seconds, out[-3000:], stage)
     return Result(m, "CRASHED", f"pytest exit status {proc.returncode}", seconds, out[-3000:], stage)
@@ -375,6 +377,8 @@ def main(argv=None) -> int:
         for r in pool.map(lambda m: run_one(m, args.timeout, pinned_only=args.pinned_only, deselect=deselect),
                           chosen):
             print(f"{r.mutant.name}: {r.verdict} {r.first_failure} ({r.seconds:.0f} s)", flush=True)
+            if r.message:
+                print(f"    {r.message}", flush=True)
             if r.verdict != "killed":
                 print("    " + r.tail.replace("\n", "\n    ")[-2000:], flush=True)
             results.append(r)
