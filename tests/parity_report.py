@@ -1,4 +1,5 @@
-"""Comparisons of the optimized engine against the reference whose failure messages say where they diverge.
+"""Comparisons of the optimized engine against the reference whose failure messages say where they diverge
+(first line), then what ran (the model and workload, after "in").
 
 Tokens: the first diverging request and generated-token position, with the reference's top-2 margin there
 (a small margin means a near-tie that any rounding change may flip; a large one means a real bug).
@@ -36,9 +37,9 @@ def assert_same_tokens(ref, prompts, got, want, label: str) -> None:
         pos = first_divergence(g, w)
         margin = top2_margin(ref, list(p) + list(w[:pos]))
         raise AssertionError(
-            f"{label}: request {i} (prompt of {len(p)} tokens) diverges at generated token {pos}: "
+            f"request {i} (prompt of {len(p)} tokens) diverges at generated token {pos}: "
             f"optimized {list(g[pos:pos + 3])} vs reference {list(w[pos:pos + 3])} "
-            f"({len(g)} vs {len(w)} tokens); reference top-2 margin there {margin:.4g}")
+            f"({len(g)} vs {len(w)} tokens); reference top-2 margin there {margin:.4g}\n  in {label}")
 
 
 def kv_errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
@@ -75,7 +76,7 @@ def assert_kv_close(ref, prompt, got, want, label: str) -> None:
         if msg is not None:
             pos = int(torch.nonzero(~(kv_errors(a, b) <= KV_RTOL))[0, 1]) if a.shape == b.shape else 0
             margin = top2_margin(ref, list(prompt[:pos + 1]))
-            raise AssertionError(f"{label}: {msg}; reference top-2 margin after position {pos}: {margin:.4g}")
+            raise AssertionError(f"{msg}; reference top-2 margin after position {pos}: {margin:.4g}\n  in {label}")
 
 
 def assert_logprobs_match_reference(ref, prompts, outs, label: str, rtol: float = LOGPROB_RTOL) -> None:
@@ -84,18 +85,19 @@ def assert_logprobs_match_reference(ref, prompts, outs, label: str, rtol: float 
     within rtol of the row's largest |logit|."""
     for i, (p, o) in enumerate(zip(prompts, outs)):
         assert o.logprobs is not None and len(o.logprobs) == len(o.token_ids), \
-            f"{label}: request {i} has {None if o.logprobs is None else len(o.logprobs)} logprob dicts " \
-            f"for {len(o.token_ids)} tokens"
+            f"request {i} has {None if o.logprobs is None else len(o.logprobs)} logprob dicts " \
+            f"for {len(o.token_ids)} tokens\n  in {label}"
         logits = ref.logits(list(p) + list(o.token_ids))[len(p) - 1:-1]       # the row before each token
         want = torch.log_softmax(logits.float(), dim=-1)
         tols = rtol * logits.abs().amax(dim=-1).clamp(min=1.0)
         for j, (token, lp) in enumerate(zip(o.token_ids, o.logprobs)):
             if token not in lp:
-                raise AssertionError(f"{label}: request {i}, generated token {j}: sampled token {token} is not "
-                                     f"in its logprobs {lp}")
+                raise AssertionError(f"request {i}, generated token {j}: sampled token {token} is not "
+                                     f"in its logprobs {lp}\n  in {label}")
             bad = {t: v for t, v in lp.items() if not abs(v - float(want[j, t])) <= float(tols[j])}
             if bad:
                 t = next(iter(bad))
                 raise AssertionError(
-                    f"{label}: request {i}, generated token {j} (sampled {token}): logprob of {t} is {bad[t]:.6g}, "
-                    f"the reference's log-softmax there is {float(want[j, t]):.6g} (tolerance {float(tols[j]):.3g})")
+                    f"request {i}, generated token {j} (sampled {token}): logprob of {t} is {bad[t]:.6g}, "
+                    f"the reference's log-softmax there is {float(want[j, t]):.6g} (tolerance {float(tols[j]):.3g})"
+                    f"\n  in {label}")

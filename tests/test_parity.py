@@ -285,12 +285,14 @@ def test_greedy_tokens_and_cached_kv_match_reference(model: Model, w: Workload, 
     got_cached = [o.num_cached_tokens for o in outs]
     if w.spare_pages is None:    # an ample pool never evicts: the model of the cache is exact
         assert got_cached == expected_cached, \
-            f"{label}: cached tokens per request {got_cached}, the full pages computed before each: {expected_cached}"
+            f"cached tokens per request {got_cached}, the full pages computed before each: {expected_cached}" \
+            f"\n  in {label}"
     else:                        # a tight pool may have evicted some of them
         assert all(g % w.page_size == 0 and g <= e for g, e in zip(got_cached, expected_cached)), \
-            f"{label}: cached tokens per request {got_cached}, at most {expected_cached} expected"
+            f"cached tokens per request {got_cached}, at most {expected_cached} expected\n  in {label}"
     event(f"prefix cache hit: {any(got_cached)}")
-    assert eng.page_pool.num_free_pages == w.num_pages(), f"{label}: pages leaked"
+    assert eng.page_pool.num_free_pages == w.num_pages(), \
+        f"{w.num_pages() - eng.page_pool.num_free_pages} pages leaked\n  in {label}"
     assert_kv_close(ref, w.prompts[0], eng.prefill_kv(list(w.prompts[0]), w.chunks[0]),
                     ref.prefill_kv(list(w.prompts[0])), label)
 
@@ -323,7 +325,7 @@ def test_seeded_sampling_tokens_and_logprobs_match_reference(model: Model, promp
     assert_logprobs_match_reference(ref, prompts, want, f"{label} (reference)")
     for i, (o, r) in enumerate(zip(outs, want)):
         keys = [set(lp) for lp in o.logprobs], [set(lp) for lp in r.logprobs]
-        assert keys[0] == keys[1], f"{label}: request {i} logprob keys {keys[0]} vs reference {keys[1]}"
+        assert keys[0] == keys[1], f"request {i} logprob keys {keys[0]} vs reference {keys[1]}\n  in {label}"
     off_top = sum(t != int(torch.argmax(ref.logits(list(p) + o.token_ids[:j])[-1]))
                   for p, o in zip(prompts, outs) for j, t in enumerate(o.token_ids))
     event(f"a sampled token was not the argmax: {off_top > 0}")
