@@ -4,6 +4,8 @@ A shadow "K/V" is kept per page slot: the whole token prefix up to and including
 which is what a real token's K/V depends on. Reuse is exact iff a reused slot's shadow equals the
 reusing sequence's own prefix at that position.
 """
+import re
+
 import pytest
 from hypothesis import event, given, note, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -233,6 +235,17 @@ def test_eviction_is_least_recently_used_and_tail_pages_go_first():
     assert bm.match_prefix(Sequence(4, [7, 8, 3])) == 2
 
 
+def test_an_evicted_prefix_computed_again_is_cached_again():
+    bm = PagePool(2, 1)
+    bm.free(run_prompt(bm, 0, [1, 2]))
+    bm.free(run_prompt(bm, 1, [7, 8]))           # evicts both pages of [1, 2]
+    assert bm.match_prefix(Sequence(2, [1, 2, 3])) == 0
+    bm.free(run_prompt(bm, 3, [1, 2]))           # evicts [7, 8]; [1, 2] is cached anew
+    assert bm.match_prefix(Sequence(4, [1, 2, 3])) == 2
+    assert len(bm.cached) == 2 and all(bm.pages[p].hash == h for h, p in bm.cached.items()), \
+        "the hash table still holds evicted pages"
+
+
 def test_referenced_pages_are_never_evicted():
     bm = PagePool(3, 1)
     holder = run_prompt(bm, 0, [1, 2, 3])        # every page referenced
@@ -257,10 +270,15 @@ def test_a_hash_collision_cannot_hand_out_another_prefix_pages(monkeypatch):
     assert bm.match_prefix(Sequence(2, [1, 2, 1, 2, 5])) == 2
 
 
-@pytest.mark.parametrize("num_pages, page_size", [(0, 4), (-1, 4), (4, 0), (4, -2), (4, 1.5)])
-def test_bad_pool_sizes_raise_value_error(num_pages, page_size):
-    bad = num_pages if not (isinstance(num_pages, int) and num_pages >= 1) else page_size
-    with pytest.raises(ValueError, match=str(bad)):
+@pytest.mark.parametrize("num_pages, page_size, message", [
+    (0, 4, "num_pages must be an integer >= 1, got 0"),
+    (-1, 4, "num_pages must be an integer >= 1, got -1"),
+    (4, 0, "page_size must be an integer >= 1, got 0"),
+    (4, -2, "page_size must be an integer >= 1, got -2"),
+    (4, 1.5, "page_size must be an integer >= 1, got 1.5"),
+])
+def test_bad_pool_sizes_raise_value_error_naming_the_field_and_value(num_pages, page_size, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         PagePool(num_pages, page_size)
 
 

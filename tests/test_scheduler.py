@@ -412,7 +412,7 @@ def test_prefix_cache_hits_are_counted_per_request():
 def test_bad_inputs_raise_value_error_naming_the_value():
     with pytest.raises(ValueError, match="empty prompt"):
         Sequence(0, [])
-    with pytest.raises(ValueError, match="-5"):
+    with pytest.raises(ValueError, match="prompt token 1 is -5, not a token id"):
         Sequence(0, [1, -5])
     with pytest.raises(ValueError, match="chunk size 0"):
         Sequence(0, [1, 2], chunk_sizes=[2, 0])

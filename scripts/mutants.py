@@ -1,0 +1,393 @@
+"""The harness's power, measured: plant each catalogued bug in a copy of the tree and run the CI selection.
+
+Each mutant is a realistic bug written as one exact source edit (`old` -> `new` in one file, `old` found
+exactly once). For each, the tracked and untracked-but-not-ignored files are copied to a temporary
+directory, the edit is applied there, and the CI selection runs with `-x` (stop at the first failure), in
+two stages so that pinned examples run first: the whole selection with Hypothesis kept to its `@example`s
+(about a minute unmutated on 2 cores), then, only for a mutant that survives those, the whole selection as
+CI runs it (random draws too). A mutant is killed when a test fails; it survives when both stages pass.
+The table says which stage and test killed it and the seconds taken (both stages together).
+
+    python scripts/mutants.py                # every mutant, one at a time
+    python scripts/mutants.py --list         # names and the bug each plants
+    python scripts/mutants.py --only NAME,NAME -j 2
+    python scripts/mutants.py --pinned-only  # the first stage only: is each bug killed by a pinned example?
+    python scripts/mutants.py --baseline     # first run the unmutated selection; tests failing there
+                                             # are deselected (and listed), so they cannot "kill" a mutant
+
+Exit status: 0 when every mutant is killed; 1 when one survives, times out or crashes the run; 2 when a
+mutant no longer applies (its `old` text is missing or ambiguous: the code moved on, so update the
+strings here; every stale mutant is listed before anything runs).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The CI selection, in the order that kills fastest: the parity property's pinned examples come first (they
+# cross tiles, splits, pages, GQA groups, mixed batches, prefix hits and seeded sampling), then the cheap
+# unit tests of the pool and scheduler, then the kernels', then the engine's contract.
+SELECTION = [
+    "tests/test_parity.py",
+    "tests/test_page_pool.py",
+    "tests/test_scheduler.py",
+    "tests/test_kernels_split.py",
+    "tests/test_kernels.py",
+    "tests/test_engine.py",
+    "tests/test_engine_isolation.py",
+]
+DEFAULT_TIMEOUT = 900   # seconds per mutant: more than the whole selection takes unmutated on 2 cores
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str      # file relative to the repository root
+    old: str       # exact text, found exactly once in the file
+    new: str
+    bug: str       # what the bug is, in the words of someone who might write it
+
+
+MUTANTS = [
+    # ---- positions, RoPE, the K/V cache layout ----------------------------------------------------------
+    Mutant("chunk_local_positions", "optimized/model_runner.py",
+           "            pos += range(start, start + n)\n",
+           "            pos += range(start, start + n) if n == 1 else range(n)\n",
+           "a prompt chunk is run at positions 0..n-1 instead of its global positions"),
+    Mutant("decode_rope_position_off_by_one", "optimized/model_runner.py",
+           "            pos += range(start, start + n)\n",
+           "            pos += range(start + 1, start + 2) if n == 1 and start >= seq.num_prompt_tokens "
+           "else range(start, start + n)\n",
+           "a decode token is rotated at num_tokens instead of num_tokens - 1"),
+    Mutant("k_stored_before_rope", "optimized/model.py",
+           "        q, k = apply_rope(q, cos, sin).contiguous(), apply_rope(k, cos, sin).contiguous()\n\n"
+           "        k_cache, v_cache = kv\n"
+           "        store_kv(k, v, k_cache, v_cache, inp.slot_mapping)\n",
+           "        k_cache, v_cache = kv\n"
+           "        store_kv(k.contiguous(), v, k_cache, v_cache, inp.slot_mapping)\n"
+           "        q, k = apply_rope(q, cos, sin).contiguous(), apply_rope(k, cos, sin).contiguous()\n",
+           "K is written to the cache before RoPE is applied"),
+    Mutant("rope_rotates_the_wrong_way", "optimized/model.py",
+           "    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)\n",
+           "    rotated = torch.cat((x[..., half:], -x[..., :half]), dim=-1)\n",
+           "a fused RoPE kernel negates the wrong half (rotates by -theta)"),
+    Mutant("k_norm_skipped", "optimized/model.py",
+           '            q, k = self._norm(q, lw["q_norm"]), self._norm(k, lw["k_norm"])\n',
+           '            q, k = self._norm(q, lw["q_norm"]), k\n',
+           "a fused q/k-norm + RoPE kernel normalises q only"),
+    Mutant("gemma_norm_without_plus_one", "optimized/model.py",
+           "        return (xf * (1.0 + weight.float())).to(x.dtype)\n",
+           "        return (xf * weight.float()).to(x.dtype)\n",
+           "a fused RMSNorm kernel forgets Gemma's (1 + w)"),
+    Mutant("slot_off_by_one_at_page_starts", "optimized/model_runner.py",
+           "        return [table[p // ps] * ps + p % ps for p in range(start, end)]\n",
+           "        return [table[max(p - 1, 0) // ps] * ps + p % ps for p in range(start, end)]\n",
+           "the first token of each page is written into the previous page"),
+    Mutant("store_kv_padding_rows_write_slot_0", "kernels/store_kv.py",
+           "    row_ok = slot >= 0\n",
+           "    slot = tl.where(token_ok, tl.maximum(slot, 0), -1)\n    row_ok = slot >= 0\n",
+           "CUDA-graph padding rows (slot -1) are clamped to slot 0 and overwrite page 0"),
+    # ---- attention kernels ------------------------------------------------------------------------------
+    Mutant("chunk_skips_its_cached_prefix", "kernels/paged_attention.py",
+           "    t_start = 0\n",
+           "    t_start = (seq_len - q_len) // BLOCK_N\n",
+           "a prompt chunk starts its KV loop at its own first tile, skipping the cached prefix before it"),
+    Mutant("causal_mask_off_by_one", "kernels/attention_tile.py",
+           "mask = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]",
+           "mask = (pos[None, :] < q_pos[:, None]) & pos_ok[None, :]",
+           "a query does not see its own key"),
+    Mutant("window_off_by_one", "kernels/attention_tile.py",
+           "mask = mask & (pos[None, :] > q_pos[:, None] - window)",
+           "mask = mask & (pos[None, :] >= q_pos[:, None] - window)",
+           "a sliding window keeps one key too many"),
+    Mutant("accumulator_not_rescaled", "kernels/attention_tile.py",
+           "acc = acc * alpha[:, None] + tl.dot(",
+           "acc = acc + tl.dot(",
+           "the online-softmax accumulator is not rescaled when a later KV tile raises the max"),
+    Mutant("gqa_paged_q_head_mod_kv_heads", "kernels/paged_attention.py",
+           "    head = kv_head * GROUP + rows % GROUP\n",
+           "    head = rows % GROUP * tl.num_programs(1) + kv_head\n",
+           "prefill attention maps query head h to KV head h % kv_heads instead of h // group"),
+    Mutant("gqa_split_q_head_mod_kv_heads", "kernels/split_kv.py",
+           "    head = kv_head * GROUP + rows\n",
+           "    head = rows * tl.num_programs(0) + kv_head\n",
+           "split-KV decode maps query head h to KV head h % kv_heads instead of h // group"),
+    Mutant("split_reads_past_split_end", "kernels/split_kv.py",
+           "    hi = tl.minimum(lo + split_size, seq_len)\n",
+           "    hi = tl.minimum(lo + 2 * split_size, seq_len)\n",
+           "a split reads on into the next split's keys, which are then counted twice"),
+    Mutant("decode_does_not_see_its_own_key", "kernels/split_kv.py",
+           "    q_pos = tl.zeros([BLOCK_H], tl.int32) + seq_len - 1\n",
+           "    q_pos = tl.zeros([BLOCK_H], tl.int32) + seq_len - 2\n",
+           "split-KV decode places its query one position early"),
+    Mutant("merge_drops_last_split", "kernels/split_kv.py",
+           "    for j in range(num_splits):\n        w = tl.exp(",
+           "    for j in range(num_splits - 1):\n        w = tl.exp(",
+           "the merge leaves out the last split"),
+    Mutant("split_count_rounded_down", "kernels/split_kv.py",
+           "    num_splits = triton.cdiv(block_tables.shape[1] * k_cache.shape[1], split_size)\n",
+           "    num_splits = block_tables.shape[1] * k_cache.shape[1] // split_size\n",
+           "the number of splits is rounded down, so a partly filled last split is never computed"),
+    Mutant("merge_without_max_lse", "kernels/split_kv.py",
+           "        w = tl.exp(tl.load(lse_row + j) - m)\n",
+           "        w = tl.exp(tl.load(lse_row + j))\n",
+           "the merge exponentiates the LSEs without subtracting their max (overflows for large scores)"),
+    Mutant("merge_of_all_empty_splits_is_nan", "kernels/split_kv.py",
+           '    m = tl.where(m == float("-inf"), 0.0, m)',
+           "    m = m + 0.0",
+           "a row whose splits are all empty (a CUDA-graph padding row) merges to NaN"),
+    # ---- runner, sampling -------------------------------------------------------------------------------
+    Mutant("sampling_rows_in_batch_order", "optimized/model_runner.py",
+           "        return host, sampled\n",
+           "        return host, [s for s, smp in zip(batch.seqs, batch.samples) if smp]\n",
+           "sampled sequences are listed in batch order, not in the logits rows' order (prefills, then decodes)"),
+    Mutant("logits_row_of_the_chunk_start", "optimized/model_runner.py",
+           "                logits_idx.append(len(ids) - 1)\n",
+           "                logits_idx.append(len(ids) - n)\n",
+           "the logits row taken is the chunk's first token, not its last"),
+    Mutant("decode_feeds_a_stale_token", "optimized/model_runner.py",
+           "            ids += seq.token_ids[start:start + n]\n",
+           "            ids += seq.token_ids[start - 1:start + n - 1] if n == 1 and start > seq.num_prompt_tokens "
+           "else seq.token_ids[start:start + n]\n",
+           "overlap scheduling: a decode is prepared before the previous step's token lands, and feeds the one before"),
+    Mutant("logprobs_of_the_top_token_in_the_runner", "optimized/model_runner.py",
+           "                logprobs[seq.seq_id] = token_logprobs(logits[row], token, params.logprobs)\n",
+           "                logprobs[seq.seq_id] = token_logprobs(logits[row], greedy[row], params.logprobs)\n",
+           "the runner reports the logprob of the argmax token instead of the sampled one"),
+    Mutant("logprobs_of_the_top_token_in_the_sampler", "chunkwise/sampling.py",
+           "    out = {int(token): float(lp[token])}\n",
+           "    out = {int(lp.argmax()): float(lp.max())}\n",
+           "the shared sampler reports the top-1 logprob instead of the sampled token's (both engines agree)"),
+    # ---- page pool, prefix cache ------------------------------------------------------------------------
+    Mutant("leaked_tail_page", "optimized/page_pool.py",
+           "        for page_id in reversed(seq.block_table):\n",
+           "        for page_id in reversed(seq.block_table[:seq.num_computed_tokens // self.page_size]):\n",
+           "freeing a sequence gives back only its full pages; the partly filled tail page leaks"),
+    Mutant("full_prefix_hit_computes_no_token", "optimized/page_pool.py",
+           "        for i in range((seq.num_tokens - 1) // self.page_size):\n",
+           "        for i in range(seq.num_tokens // self.page_size):\n",
+           "a prompt whose pages are all cached takes every one, leaving no token to compute"),
+    Mutant("page_hash_ignores_its_parent", "optimized/page_pool.py",
+           '    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()\n',
+           '    return hashlib.sha256(array("q", token_ids).tobytes()).digest()\n',
+           "a page's hash covers its own tokens only, not the prefix before it"),
+    Mutant("partial_page_cached", "optimized/page_pool.py",
+           "        num_full = seq.num_computed_tokens // self.page_size\n",
+           "        num_full = -(-seq.num_computed_tokens // self.page_size)\n",
+           "a page is cached before all its slots are computed"),
+    Mutant("prefix_hit_stays_evictable", "optimized/page_pool.py",
+           "            if page.ref_count == 0:\n                del self.evictable[page_id]\n",
+           "",
+           "a cached page taken by a new request stays evictable and can be handed out while in use"),
+    Mutant("eviction_keeps_the_cache_entry", "optimized/page_pool.py",
+           "        del self.cached[page.hash]\n",
+           "",
+           "an evicted page stays in the hash table, pointing at a page that now holds other tokens"),
+    Mutant("eviction_most_recently_used", "optimized/page_pool.py",
+           "        page_id, _ = self.evictable.popitem(last=False)\n",
+           "        page_id, _ = self.evictable.popitem(last=True)\n",
+           "prefix-cache eviction takes the most recently freed page instead of the least"),
+    # ---- scheduler, engine ------------------------------------------------------------------------------
+    Mutant("preemption_forgets_generated_tokens", "optimized/scheduler.py",
+           "        seq.status = SequenceStatus.WAITING\n        seq.num_preemptions += 1\n",
+           "        seq.status = SequenceStatus.WAITING\n        del seq.token_ids[seq.num_prompt_tokens:]\n"
+           "        seq.num_preemptions += 1\n",
+           "a preempted sequence is readmitted with its prompt only, its generated tokens dropped"),
+    Mutant("preempts_the_oldest", "optimized/scheduler.py",
+           "            victim = self.running[-1]\n",
+           "            victim = self.running[0]\n",
+           "when pages run out the oldest running sequence is preempted instead of the newest"),
+    Mutant("failed_step_keeps_its_pages", "optimized/engine.py",
+           '            if self.scheduler.abort(seq.seq_id, reason="error") is None:\n',
+           "            if self.scheduler.seqs.pop(seq.seq_id, None) is None:\n",
+           "failure isolation forgets a failed step's requests without freeing their pages"),
+]
+
+
+def validate(mutants: list[Mutant], root: Path = ROOT) -> list[str]:
+    """One line per mutant that does not apply to the tree at `root` exactly once."""
+    problems = []
+    for m in mutants:
+        path = root / m.path
+        if not path.is_file():
+            problems.append(f"{m.name}: {m.path} does not exist")
+            continue
+        count = path.read_text().count(m.old)
+        if count != 1:
+            problems.append(f"{m.name}: {m.path} holds its old text {count} times (needs exactly 1): {m.old!r}")
+    names = [m.name for m in mutants]
+    problems += [f"{n}: the name is used twice" for n in sorted({n for n in names if names.count(n) > 1})]
+    return problems
+
+
+def copy_tree(dest: Path, root: Path = ROOT) -> None:
+    """The repository's files as git sees them (tracked, plus untracked ones not ignored) into dest."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                           check=True, capture_output=True).stdout.decode().split("\0")
+    for rel in filter(None, files):
+        src = root / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+
+
+def apply(m: Mutant, tree: Path) -> None:
+    path = tree / m.path
+    text = path.read_text()
+    if text.count(m.old) != 1:
+        raise ValueError(f"mutant {m.name} does not apply to {m.path} exactly once")
+    path.write_text(text.replace(m.old, m.new))
+
+
+@dataclass
+class Result:
+    mutant: Mutant | None     # None: the baseline run
+    verdict: str              # killed | SURVIVED | TIMEOUT | CRASHED
+    first_failure: str        # the test that failed first (or what went wrong)
+    seconds: float
+    tail: str                 # the run's last lines, for a verdict other than killed
+    stage: str = ""           # which run killed it: "pinned" (explicit examples only) or "full"
+    message: str = ""         # the failing assertion's first line
+
+
+# A pytest plugin for the pinned stage: loaded after conftest.py has chosen CI's profile and before the test
+# modules are imported (their @settings inherit the phases), it keeps Hypothesis to the explicit examples.
+PINNED_ONLY_PLUGIN = """
+from hypothesis import Phase, settings
+
+def pytest_configure(config):
+    settings.register_profile("pinned-only", settings.get_profile("ci"), phases=[Phase.explicit])
+    settings.load_profile("pinned-only")
+"""
+
+
+def run_selection(m: Mutant | None, timeout: float = DEFAULT_TIMEOUT, pinned_only: bool = False,
+                  deselect: tuple[str, ...] = (), stop_first: bool = True, python: str = sys.executable) -> Result:
+    """One pytest run of the CI selection on a copy of the tree with mutant m planted (None: as it is)."""
+    name = m.name if m is not None else "baseline"
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{name}-") as tmp:
+        tree = Path(tmp)
+        copy_tree(tree)
+        if m is not None:
+            apply(m, tree)
+        env = dict(os.environ, CI="true", PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
+        env.pop("CHUNKWISE_HYPOTHESIS_PROFILE", None)    # CI's own profile, as in CI
+        cmd = [python, "-m", "pytest", *SELECTION, "-q", "-p", "no:cacheprovider", "-m", "not gpu and not slow"]
+        cmd += ["-x"] if stop_first else []
+        cmd += [arg for node in deselect for arg in ("--deselect", node)]
+        if pinned_only:
+            (tree / "_mutants_pinned_only.py").write_text(PINNED_ONLY_PLUGIN)
+            cmd += ["-p", "_mutants_pinned_only"]
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)     # pytest and anything it started
+            out, _ = proc.communicate()
+            return Result(m, "TIMEOUT", f"no failure within {timeout:.0f} s", time.monotonic() - start, out[-3000:])
+        seconds = time.monotonic() - start
+    stage = "pinned" if pinned_only else "full"
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, flags=re.M)
+    if proc.returncode == 1 and failed:
+        message = next(iter(re.findall(r"^E +(.+)$", out, flags=re.M)), "")
+        return Result(m, "killed", " ".join(failed) if m is None else failed[0], seconds, "", stage, message[:300])
+    if proc.returncode == 0:
+        return Result(m, "SURVIVED", "", seconds, out[-3000:], stage)
+    return Result(m, "CRASHED", f"pytest exit status {proc.returncode}", seconds, out[-3000:], stage)
+
+
+def run_one(m: Mutant, timeout: float = DEFAULT_TIMEOUT, pinned_only: bool = False,
+            deselect: tuple[str, ...] = ()) -> Result:
+    """The pinned examples of the whole selection first; the full selection (random draws too) only for a
+    mutant they miss, unless pinned_only. Seconds add up over both runs."""
+    first = run_selection(m, timeout, pinned_only=True, deselect=deselect)
+    if pinned_only or first.verdict != "SURVIVED":
+        return first
+    full = run_selection(m, timeout, deselect=deselect)
+    full.seconds += first.seconds
+    return full
+
+
+def table(results: list[Result]) -> str:
+    rows = [("mutant", "verdict", "by", "first failing test", "seconds")]
+    rows += [(r.mutant.name, r.verdict, r.stage if r.verdict == "killed" else "", r.first_failure, f"{r.seconds:.0f}")
+             for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--list", action="store_true", help="print the catalogue and exit")
+    ap.add_argument("--only", action="append", default=[], metavar="NAME[,NAME]", help="run only these mutants")
+    ap.add_argument("-j", "--jobs", type=int, default=1, help="mutants run at once (each is one pytest process)")
+    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds per mutant")
+    ap.add_argument("--pinned-only", action="store_true",
+                    help="only the first stage: Hypothesis runs the @example-pinned cases (stateful tests none)")
+    ap.add_argument("--baseline", action="store_true",
+                    help="first run the unmutated selection; deselect the tests that fail there")
+    ap.add_argument("--deselect", action="append", default=[], metavar="NODEID",
+                    help="a test left out of every run (e.g. one known to fail on this machine)")
+    args = ap.parse_args(argv)
+    chosen = MUTANTS
+    if args.only:
+        names = [n for arg in args.only for n in arg.split(",") if n]
+        unknown = sorted(set(names) - {m.name for m in MUTANTS})
+        if unknown:
+            ap.error(f"unknown mutants {unknown}; --list shows the catalogue")
+        chosen = [m for m in MUTANTS if m.name in names]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:42} {m.path:28} {m.bug}")
+        return 0
+    problems = validate(chosen)
+    if problems:
+        print(f"{len(problems)} mutants no longer apply to this tree; update their strings in {__file__}:",
+              file=sys.stderr)
+        print("\n".join(f"  {p}" for p in problems), file=sys.stderr)
+        return 2
+    deselect = tuple(args.deselect)
+    if args.baseline:
+        base = run_selection(None, args.timeout, pinned_only=args.pinned_only, deselect=deselect, stop_first=False)
+        if base.verdict == "killed":
+            print(f"the unmutated tree fails {base.first_failure}: deselected from every mutant run", flush=True)
+            deselect += tuple(base.first_failure.split())
+        elif base.verdict != "SURVIVED":
+            print(f"the unmutated tree's run ended {base.verdict}:\n{base.tail}", file=sys.stderr)
+            return 1
+        print(f"baseline: {base.seconds:.0f} s", flush=True)
+    results = []
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        for r in pool.map(lambda m: run_one(m, args.timeout, pinned_only=args.pinned_only, deselect=deselect),
+                          chosen):
+            print(f"{r.mutant.name}: {r.verdict} {r.first_failure} ({r.seconds:.0f} s)", flush=True)
+            if r.message:
+                print(f"    {r.message}", flush=True)
+            if r.verdict != "killed":
+                print("    " + r.tail.replace("\n", "\n    ")[-2000:], flush=True)
+            results.append(r)
+    print()
+    print(table(results))
+    alive = [r.mutant.name for r in results if r.verdict != "killed"]
+    print(f"\n{len(results) - len(alive)} of {len(results)} killed" + (f"; not killed: {alive}" if alive else ""))
+    return 1 if alive else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
