@@ -154,10 +154,12 @@ MUTANTS = [
            '        tl.store(res_out_ptr + offs, x, mask=mask)\n',
            '',
            'the fused add + RMSNorm kernel normalises the sum but never writes the residual stream out'),
-    Mutant('cascade_shared_split_reads_the_wrong_table', 'kernels/cascade.py',
-           '        table = block_tables_ptr + tl.load(members_ptr + first).to(tl.int64) * stride_bt\n',
-           '        table = block_tables_ptr + first.to(tl.int64) * stride_bt\n',
-           "a shared split reads the block table of batch row `first` (an index into members) instead of its first member's"),
+    # (Reading the table of batch row `first` instead of members[first] was tried first: out-of-range rows
+    # crash the interpreter instead of failing an assertion.)
+    Mutant('cascade_shared_split_queries_of_the_first_member', 'kernels/cascade.py',
+           '        s = tl.load(members_ptr + member, mask=row_ok, other=0).to(tl.int64)\n',
+           '        s = tl.load(members_ptr + first + 0 * member, mask=row_ok, other=0).to(tl.int64)\n',
+           "a shared split attends every member's rows with the first member's queries (and writes them there)"),
     Mutant('deterministic_mode_uses_torch_for_gate_up', 'optimized/model.py',
            '        return self._linear(act_and_mul(self._linear(x, lw["gate_up"]), self.cfg.hidden_act), lw["down"])\n',
            '        return self._linear(act_and_mul(x @ lw["gate_up"].t(), self.cfg.hidden_act), lw["down"])\n',
