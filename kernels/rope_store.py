@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_tile import cast
-from kernels.fused_norm import weigh
+from kernels.fused_norm import _norm_ref, weigh
 from kernels.tiling import block_rows, check_float, num_warps_for
 
 
@@ -37,9 +37,7 @@ def _split(qkv, num_heads, num_kv_heads, head_dim):
 
 def _norm_rope_ref(x, weight, cos, sin, eps, plus_one):
     if weight is not None:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        x = (xf * (1.0 + weight.float())).to(x.dtype) if plus_one else weight * xf.to(x.dtype)
+        x = _norm_ref(x, weight, eps, plus_one)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     c, s = cos[:, None, :], sin[:, None, :]

@@ -9,7 +9,6 @@ share an engine.
 """
 from __future__ import annotations
 
-import itertools
 import threading
 from dataclasses import dataclass, replace
 
@@ -57,11 +56,9 @@ class Engine:
         self.runner = ModelRunner(config, weights)
         self.page_pool = PagePool(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.page_pool, self.config.eos_token_ids)
-        self._seqs: dict[int, Sequence] = {}                 # unfinished requests by id
         self._claims: dict[int, list[StepOutput]] = {}       # outputs collected by a generate/prefill_kv call
         self._backlog: list[StepOutput] = []                 # streamed requests' outputs made inside those calls
-        self._ids = itertools.count()
-        self._num_ids = 0
+        self._num_ids = 0                                    # request ids handed out: 0 .. _num_ids - 1
         self._lock = threading.RLock()
 
     # ---- requests ----------------------------------------------------------------------------------
@@ -75,13 +72,12 @@ class Engine:
         return seqs
 
     def _submit(self, seq: Sequence) -> int:
-        rid = next(self._ids)
-        self._num_ids = rid + 1
+        rid = self._num_ids
+        self._num_ids += 1
         seq.seq_id = rid
         if seq.sampling_params.logprobs is not None:
             seq.logprobs = []
         self.scheduler.add(seq)
-        self._seqs[rid] = seq
         return rid
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, chunk_sizes=None) -> int:
@@ -98,15 +94,17 @@ class Engine:
             seq = self.scheduler.abort(request_id)
             if seq is None:
                 return None
-            out = self._finish(seq, "abort")
+            final = self._ended(seq, "abort")
             if request_id in self._claims:
-                self._claims[request_id].append(StepOutput(request_id, [], [] if seq.logprobs is not None else None,
-                                                           "abort", out))
-            return out
+                self._claims[request_id].append(final)
+            return final.output
+
+    def _ended(self, seq: Sequence, reason: str) -> StepOutput:
+        """The last StepOutput of a request ended outside sampling (abort, error): no new token."""
+        return StepOutput(seq.seq_id, [], [] if seq.logprobs is not None else None, reason, self._finish(seq, reason))
 
     def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
         """The finished request's output; the engine forgets it."""
-        self._seqs.pop(seq.seq_id, None)
         self.runner.release(seq.seq_id)
         return RequestOutput(seq.seq_id, list(seq.prompt_token_ids), token_ids=seq.completion_token_ids,
                              text=decode(self.tokenizer, seq.completion_token_ids), logprobs=seq.logprobs,
@@ -163,8 +161,7 @@ class Engine:
             if self.scheduler.abort(seq.seq_id, reason="error") is None:
                 continue
             seq.error = error
-            out = self._finish(seq, "error")
-            results.append(StepOutput(seq.seq_id, [], [] if seq.logprobs is not None else None, "error", out))
+            results.append(self._ended(seq, "error"))
         return results
 
     def generate(self, prompts, sampling_params=None, chunk_sizes=None, use_tqdm=None) -> list[RequestOutput]:
@@ -194,7 +191,7 @@ class Engine:
             with self._lock:
                 for r in rids:
                     self._claims.pop(r, None)
-                    if r not in done and r in self._seqs:   # interrupted: nothing of it stays behind
+                    if r not in done:   # interrupted: nothing of it stays behind (None if it had ended)
                         self.abort(r)
         return [done[r] for r in rids]
 
@@ -220,5 +217,4 @@ class Engine:
         finally:
             with self._lock:
                 self._claims.pop(rid, None)
-                if rid in self._seqs:
-                    self.abort(rid)
+                self.abort(rid)   # None once it has ended

@@ -86,6 +86,8 @@ class ModelRunner:
             raise ValueError(f"split_size must be a multiple of {block_n} (the split-KV tile for head_dim "
                              f"{cfg.head_dim}), got {self.split_size}")
         self.model = Model(cfg, weights, split_size=self.split_size, deterministic=config.deterministic)
+        # Deterministic decodes take the single-pass kernel, so there are no splits to share.
+        self.cascade = config.cascade_attention and not config.deterministic
         self.max_pages_per_seq = config.max_pages_per_seq
         self.num_pages = self._pool_size()
         shape = (self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
@@ -164,7 +166,7 @@ class ModelRunner:
 
         Decided from the block tables alone, and its result is bitwise split-KV's, so a token's bits do not
         depend on its batch-mates. Cheap test first: sharers hold a whole split and the same first page."""
-        if not self.config.cascade_attention or self.config.deterministic or len(decode) < 2:
+        if not self.cascade or len(decode) < 2:
             return None
         firsts = [seq.block_table[0] for seq, _, _, start in decode if start + 1 >= self.split_size]
         if len(firsts) == len(set(firsts)):

@@ -50,12 +50,6 @@ def test_bad_engine_arguments_raise_value_error(ckpt, kw, match):
         Engine(ckpt, **kw)
 
 
-def test_request_larger_than_the_pool_is_rejected_up_front(ckpt):
-    eng = Engine(ckpt, page_size=4, num_pages=3)
-    with pytest.raises(ValueError, match="pages"):
-        eng.generate([[1] * 10], GREEDY)   # 10 + 6 - 1 tokens need 4 pages
-
-
 def test_failed_request_leaves_other_requests_unchanged(engine, solo):
     with pytest.raises(ValueError, match="prompt 1 holds token id 999"):
         engine.generate([PROMPTS[0], [1, 999], PROMPTS[2]], GREEDY)

@@ -86,14 +86,16 @@ def test_cuda_device_without_cuda_is_refused(ckpt):
         Engine(ckpt, device="cuda")
 
 
-def test_reference_engine_takes_the_same_fields_and_names_the_ignored_ones(ckpt):
+def test_reference_engine_validates_the_same_fields_and_ignores_the_paging_ones(ckpt):
     with pytest.raises(TypeError, match="num_pagse"):
         reference.Engine(ckpt, num_pagse=4)
     with pytest.raises(ValueError, match="page_size must be an integer >= 1, got 0"):
         reference.Engine(ckpt, page_size=0)
-    ref = reference.Engine(ckpt, page_size=3, num_pages=7, split_size=64, max_model_len=64)
-    assert ref.ignored_fields == REFERENCE_IGNORED
     assert set(REFERENCE_IGNORED) < set(EngineConfig.__dataclass_fields__)
+    paged = reference.Engine(ckpt, page_size=3, num_pages=7, split_size=64, max_model_len=64)
+    plain = reference.Engine(ckpt, max_model_len=64)
+    assert [o.token_ids for o in paged.generate(PROMPTS[:2], GREEDY)] == \
+        [o.token_ids for o in plain.generate(PROMPTS[:2], GREEDY)]
 
 
 def test_engine_config_is_frozen_and_resolved(ckpt):
@@ -231,6 +233,7 @@ def test_threads_sharing_one_engine_get_their_own_outputs(engine, solo):
         t.start()
     for t in threads:
         t.join(timeout=600)
+    assert not any(t.is_alive() for t in threads), "a thread sharing the engine hung"
     assert not errors, errors
     for k in range(3):
         assert results[k] == solo[k:] + solo[:k], f"thread {k}"

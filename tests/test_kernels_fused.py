@@ -19,7 +19,6 @@ from kernels.tiling import block_rows
 
 pytestmark = pytest.mark.correctness
 
-# bf16 is wrong in the interpreter (DESIGN.md): the CPU runs float32 and float16 only.
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]   # bf16 rounds as on GPU under the interpreter too (kernels.attention_tile.cast)
 # Tolerated ulps: float32 allows for the GPU's approximate exp/rsqrt; the 16-bit types for one rounding of a
 # float32 value that differs in its last bits, plus a second rounding where the models round twice.
