@@ -12,6 +12,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from kernels.attention_tile import INTERPRET  # noqa: E402
+from kernels.interpreter import speed_up  # noqa: E402
+
+if INTERPRET:
+    speed_up()
+
 from kernels.cascade import CascadeGroups, cascade_decode, cascade_decode_ref, cascade_groups  # noqa: E402
 from kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
 from kernels.split_kv import merge_splits, merge_splits_ref, split_kv_decode, split_kv_decode_ref  # noqa: E402

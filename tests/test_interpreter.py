@@ -1,0 +1,90 @@
+"""kernels.interpreter: Triton's interpreter patches `triton.language` once per launch, not once per helper
+call, and computes exactly what it computed before."""
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention_tile import INTERPRET, dot
+from kernels.interpreter import speed_up
+
+pytestmark = pytest.mark.skipif(not INTERPRET, reason="the interpreter runs only without CUDA")
+
+
+@triton.jit
+def _many_helper_calls_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr, CALLS: tl.constexpr):
+    # a [N, N], b [N, N], out [N, N], all float32 contiguous
+    r = tl.arange(0, N)
+    a = tl.load(a_ptr + r[:, None] * N + r[None, :])
+    b = tl.load(b_ptr + r[:, None] * N + r[None, :])
+    acc = tl.zeros([N, N], tl.float32)
+    for _ in range(CALLS):
+        acc += dot(a, b, "ieee") + tl.sum(a, 1)[:, None]
+    tl.store(out_ptr + r[:, None] * N + r[None, :], acc)
+
+
+@pytest.fixture
+def real_patches(monkeypatch):
+    """The list of functions Triton's own `_patch_lang` ran for, while the test runs."""
+    from triton.runtime import interpreter
+
+    assert speed_up() and interpreter._patch_lang._chunkwise
+    wrapper = interpreter._patch_lang
+    cells = {c.cell_contents.__name__: c for c in wrapper.__closure__
+             if getattr(c.cell_contents, "__name__", None) == "_patch_lang"}
+    cell = cells["_patch_lang"]
+    original, calls = cell.cell_contents, []
+
+    def counting(fn):
+        calls.append(fn.__name__)
+        return original(fn)
+    monkeypatch.setattr(cell, "cell_contents", counting)
+    return calls
+
+
+@triton.jit
+def _failing_kernel(a_ptr, N: tl.constexpr):
+    # a [N, N] float32
+    r = tl.arange(0, N)
+    a = tl.load(a_ptr + r[:, None] * N + r[None, :])
+    a = dot(a, a, "ieee")
+    tl.static_assert(N < 0, "fails after a helper call")
+
+
+def _run(calls: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    a, b = torch.randn(16, 16, generator=gen), torch.randn(16, 16, generator=gen)
+    out = torch.full((16, 16), float("nan"))
+    _many_helper_calls_kernel[(1,)](a, b, out, N=16, CALLS=calls)
+    return out, (a @ b + a.sum(1, keepdim=True)) * calls
+
+
+def test_a_launch_patches_the_language_once_per_module_not_once_per_helper_call(real_patches):
+    out, expected = _run(20, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    # The launch itself, then at most one helper per module it had not patched (tl.sum's triton.language.core):
+    # 40 helper calls (20 dot, 20 tl.sum) without the skip.
+    assert real_patches[0] == "_many_helper_calls_kernel" and len(real_patches) <= 3, real_patches
+
+
+def test_every_launch_patches_afresh_even_after_a_failed_one(real_patches):
+    gen = torch.Generator().manual_seed(1)
+    with pytest.raises(Exception, match="fails after a helper call"):
+        _failing_kernel[(1,)](torch.randn(16, 16, generator=gen), N=16)
+    first = len(real_patches)
+    out, expected = _run(3, gen)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    assert real_patches[first] == "_many_helper_calls_kernel", real_patches
+
+
+def test_results_are_bitwise_those_of_the_unpatched_interpreter(monkeypatch):
+    from triton.runtime import interpreter
+
+    speed_up()
+    fast, _ = _run(5, torch.Generator().manual_seed(2))
+    cell = next(c for c in interpreter._patch_lang.__closure__
+                if getattr(c.cell_contents, "__name__", None) == "_patch_lang")
+    monkeypatch.setattr(interpreter, "_patch_lang", cell.cell_contents)   # Triton's own, patching every call
+    slow, _ = _run(5, torch.Generator().manual_seed(2))
+    assert torch.equal(fast, slow)
