@@ -98,7 +98,7 @@ class TensorParallel:
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """[N, V] from each rank's [N, P] slice (padding columns dropped)."""
         parts = self.all_gather(logits)                       # [size, N, P]
-        return parts.permute(1, 0, 2).reshape(logits.shape[0], -1)[:, :self.cfg.vocab_size]
+        return parts.permute(1, 0, 2).reshape(logits.shape[0], self.size * logits.shape[1])[:, :self.cfg.vocab_size]
 
     def gather_kv_heads(self, x: torch.Tensor) -> torch.Tensor:
         """[..., num_kv_heads, head_dim] from each rank's [..., local_kv_heads, head_dim]: the KV heads in order,
