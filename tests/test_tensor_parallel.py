@@ -20,7 +20,9 @@ from parity_report import assert_same_tokens, kv_mismatch
 
 import reference
 from chunkwise.checkpoints import tiny_checkpoint
+from chunkwise.config import ModelConfig
 from optimized import Engine, SamplingParams
+from optimized.tensor_parallel import TensorParallel
 
 pytestmark = pytest.mark.correctness
 
@@ -50,6 +52,27 @@ def case(request):
     kw = dict(ENGINE_KW, num_pages=NUM_PAGES[request.param])
     with Engine(ckpt, tensor_parallel_size=2, **kw) as tp:
         yield request.param, ckpt, tp, Engine(ckpt, **kw), reference.Engine(ckpt, max_model_len=64)
+
+
+@pytest.mark.parametrize("heads, kv_heads, size", [
+    (4, 4, 2), (8, 2, 2), (8, 2, 4), (8, 2, 8), (4, 1, 4), (12, 3, 6), (16, 8, 4), (6, 6, 3), (8, 4, 8)])
+def test_each_ranks_query_heads_read_its_kv_heads_as_on_one_device(heads, kv_heads, size):
+    """Split (size divides kv_heads) or replicated (kv_heads divides size): local query head j reads local KV
+    head j // local group, which must be the KV head its global query head reads on one device; every query
+    head is on exactly one rank, every KV head on at least one, and the vocabulary slices tile it."""
+    cfg = ModelConfig.from_dict(dict(model_type="llama", vocab_size=383, hidden_size=heads * 8, intermediate_size=64,
+                                     num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                     head_dim=8))
+    ranks = [TensorParallel(r, size, cfg, torch.device("cpu")) for r in range(size)]
+    group = heads // kv_heads
+    for tp in ranks:
+        q, kv = list(tp.q_heads), list(tp.kv_heads)
+        local_group = len(q) // len(kv)
+        assert [kv[j // local_group] for j in range(len(q))] == [h // group for h in q], f"rank {tp.rank}"
+    assert sorted(h for tp in ranks for h in tp.q_heads) == list(range(heads))
+    assert {h for tp in ranks for h in tp.kv_heads} == set(range(kv_heads))
+    assert [v for tp in ranks for v in tp.vocab] == list(range(383))
+    assert all(len(tp.vocab) <= tp.vocab_rows for tp in ranks)
 
 
 def test_each_rank_caches_only_its_kv_heads(case):
