@@ -3,7 +3,8 @@ rank and against the reference.
 
 Four tiny shapes, each crossing one way the sharding can go wrong: MHA (two KV heads per rank, q/k/v/o biases:
 o_proj's bias must be added once, after the all-reduce), GQA (Qwen2: one KV head per rank, sharded q/k/v biases;
-a pool so tight that requests are preempted and their block-table rows rewritten), MQA (one KV head replicated on
+a pool so tight that requests are preempted and their block-table rows rewritten; transformers initialises
+biases to zero, so both get random ones here, or a bias bug would be invisible), MQA (one KV head replicated on
 both ranks, and a vocabulary of 383 whose last slice is padded) and Gemma 3 (MQA too, sliding window 8, q/k norm,
 tied embeddings, embedding scale). Prompts are chunked and the page size is 3, so chunks and pages cut the
 prompts at many places. Greedy tokens must equal the reference's exactly; prefill_kv's K/V (every KV head, each
@@ -44,11 +45,28 @@ def prompts_for(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in LENGTHS]
 
 
+def with_random_biases(ckpt, out):
+    """A copy of the checkpoint whose bias tensors (zeros as transformers initialises them) are random."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(ckpt, out)
+    weights = load_file(out / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    for name, w in weights.items():
+        if name.endswith(".bias"):
+            weights[name] = 0.2 * torch.randn(w.shape, generator=gen, dtype=w.dtype)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
 @pytest.fixture(scope="module", params=list(MODELS))
-def case(request):
+def case(request, tmp_path_factory):
     """(name, checkpoint, TP=2 engine, TP=1 engine, reference), one set per shape."""
     family, overrides = MODELS[request.param]
     ckpt = tiny_checkpoint(family, **overrides)
+    if request.param in ("mha", "gqa"):
+        ckpt = with_random_biases(ckpt, tmp_path_factory.mktemp("biased") / ckpt.name)
     kw = dict(ENGINE_KW, num_pages=NUM_PAGES[request.param])
     with Engine(ckpt, tensor_parallel_size=2, **kw) as tp:
         yield request.param, ckpt, tp, Engine(ckpt, **kw), reference.Engine(ckpt, max_model_len=64)
