@@ -269,6 +269,10 @@ class Engine:
                         raise RuntimeError(f"prefill_kv: the request failed: {failed.output.error}")
                     if seq.num_computed_tokens >= seq.num_prompt_tokens:
                         return self.runner.gather_kv(seq, seq.num_prompt_tokens)
+        except TensorParallelError as exc:
+            with self._lock:
+                self._close(f"a tensor-parallel step failed: {exc}")
+            raise
         finally:
             with self._lock:
                 self._claims.pop(rid, None)

@@ -321,7 +321,22 @@ class ModelRunner:
 
     # ---- sampling ----------------------------------------------------------------------------------
     def sample(self, seqs, logits: torch.Tensor) -> tuple[dict[int, int], dict[int, dict[int, float]]]:
-        """Tokens (and requested logprobs) per seq_id; each request samples from its own generator."""
+        """Tokens (and requested logprobs) per seq_id; each request samples from its own generator.
+
+        With workers, the step is confirmed after it: sampling waits for the logits, so for the whole step, and a
+        rank lost meanwhile (NCCL runs asynchronously: an aborted collective may have left rank 0 running on)
+        voids the step and raises TensorParallelError, also when it is why sampling failed."""
+        if self.workers is None:
+            return self._sample(seqs, logits)
+        try:
+            result = self._sample(seqs, logits)
+        except Exception:
+            self.workers.check()
+            raise
+        self.workers.check()
+        return result
+
+    def _sample(self, seqs, logits: torch.Tensor) -> tuple[dict[int, int], dict[int, dict[int, float]]]:
         greedy = torch.argmax(logits, dim=-1).tolist() if logits.shape[0] else []
         tokens, logprobs = {}, {}
         for row, seq in enumerate(seqs):
@@ -346,9 +361,13 @@ class ModelRunner:
         (with tensor parallelism, every KV head from the rank that holds it)."""
         pos = np.arange(num_tokens)
         slots = np.asarray(seq.block_table, np.int64)[pos // self.page_size] * self.page_size + pos % self.page_size
-        if self.workers is not None:
-            return self.workers.together(("kv", slots), lambda: self.kv_at(slots))
-        return self.kv_at(slots)
+        if self.workers is None:
+            return self.kv_at(slots)
+        kv = self.workers.together(("kv", slots), lambda: self.kv_at(slots))
+        if self.device.type == "cuda":   # confirmed once complete, as a step is in `sample`
+            torch.cuda.synchronize(self.device)
+        self.workers.check()
+        return kv
 
     def kv_at(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [num_layers, len(slots), kv_heads, head_dim] at the cache slots (all ranks' heads under tp)."""

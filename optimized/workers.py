@@ -176,7 +176,11 @@ class Workers:
         head = f"tensor-parallel rank {i + 1} (pid {proc.pid})"
         if report is not None:
             return f"{head} failed: {report[1]}\n{report[2]}"
-        return f"{head} died with exit code {proc.exitcode}"
+        if self._joined:
+            return f"{head} died with exit code {proc.exitcode}"
+        return (f"{head} died with exit code {proc.exitcode} while starting (its output above says why; a script "
+                f"must create a tensor-parallel Engine under `if __name__ == \"__main__\":`, since each worker is "
+                f"a spawned process that imports the script's main module)")
 
     def _break(self, reason: str) -> None:
         self.error = reason
