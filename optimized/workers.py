@@ -81,7 +81,7 @@ class Workers:
             for rank in range(1, self.size):
                 ours, theirs = ctx.Pipe()
                 proc = ctx.Process(target=_worker_main, name=f"chunkwise-tp-rank{rank}", daemon=True,
-                                   args=(rank, config, self.store.port, torch.get_num_threads(), theirs))
+                                   args=(rank, config, self.store.port, _numerics(), theirs))
                 proc.start()
                 theirs.close()
                 self.procs.append(proc)
@@ -229,18 +229,26 @@ class Workers:
         self.store = None
 
 
+def _numerics() -> dict:
+    """Process-wide settings that change a forward's numbers or speed, so every rank runs as rank 0 does."""
+    return dict(num_threads=torch.get_num_threads(), matmul_precision=torch.get_float32_matmul_precision(),
+                cuda_tf32=torch.backends.cuda.matmul.allow_tf32)
+
+
 def _exit_with_parent() -> None:
     wait([mp.parent_process().sentinel])
     os._exit(1)
 
 
-def _worker_main(rank: int, config: EngineConfig, port: int, num_threads: int, conn) -> None:
+def _worker_main(rank: int, config: EngineConfig, port: int, numerics: dict, conn) -> None:
     """Rank `rank`: loads its shard, joins the group, builds its runner, then runs each step rank 0 sends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     from optimized.model_runner import ModelRunner   # here: model_runner imports this module
     try:
-        torch.set_num_threads(num_threads)
+        torch.set_num_threads(numerics["num_threads"])
+        torch.set_float32_matmul_precision(numerics["matmul_precision"])
+        torch.backends.cuda.matmul.allow_tf32 = numerics["cuda_tf32"]
         device = rank_device(config, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
