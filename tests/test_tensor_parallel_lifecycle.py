@@ -83,17 +83,19 @@ def test_a_with_block_and_garbage_collection_stop_the_workers(ckpt):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ending", ["return", "KeyboardInterrupt"])
+@pytest.mark.parametrize("ending", ["return", "KeyboardInterrupt", "SIGKILL"])
 def test_interpreter_exit_stops_the_workers(ckpt, ending):
-    """A script that leaves its engine open (and one interrupted by Ctrl-C) leaves no worker behind."""
+    """A script that leaves its engine open, one interrupted by Ctrl-C and one killed (no finalizer runs: the
+    workers see their parent go) leave no worker behind."""
+    last = {"return": "", "KeyboardInterrupt": "raise KeyboardInterrupt\n",
+            "SIGKILL": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"}[ending]
     script = (f"import json, sys\nfrom optimized import Engine\n"
               f"eng = Engine({str(ckpt)!r}, **{KW!r})\n"
-              f"print(json.dumps([p.pid for p in eng._workers.procs]), flush=True)\n"
-              + ("raise KeyboardInterrupt\n" if ending == "KeyboardInterrupt" else ""))
+              f"print(json.dumps([p.pid for p in eng._workers.procs]), flush=True)\n" + last)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_S,
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     pids = json.loads(done.stdout.splitlines()[0])
-    assert (done.returncode != 0) == (ending == "KeyboardInterrupt"), done.stderr
+    assert (done.returncode != 0) == (ending != "return"), done.stderr
     deadline = time.monotonic() + 10   # the workers are the script's children: give their exit a moment
     while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
