@@ -155,9 +155,10 @@ class Workers:
     def _failure(self, grace: float = 0.0) -> str | None:
         """What went wrong with a worker (its error report, or its death), or None if all look well. With a
         grace period, first waits up to that long for a worker to exit (a collective fails as a peer dies)."""
-        if grace:
-            wait([p.sentinel for p in self.procs], timeout=grace)
+        ended = set(wait([p.sentinel for p in self.procs], timeout=grace))
         for i, (proc, conn) in enumerate(zip(self.procs, self.conns)):
+            if proc.sentinel in ended:   # exiting: its files close before it can be reaped, so wait for that
+                proc.join()
             report = None
             try:
                 while conn.poll():
