@@ -192,10 +192,9 @@ class Workers:
         ready = wait([p.sentinel for p in self.procs] + [self._wake_r])
         if self._closed or self._wake_r in ready or not (self._joined and self.backend == "nccl"):
             return   # gloo notices a dead peer by itself (its socket closes)
-        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        try:
-            if abort is not None:
-                abort()
+        try:   # torch's own helper where it has one, else the group's abort
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            abort() if abort is not None else dist.distributed_c10d._get_default_group().abort()
         except Exception:   # best effort: the liveness check still reports the death
             pass
 

@@ -1,12 +1,13 @@
 """Tensor parallelism (CPU, gloo, float32) through the engine's other decode paths and modes, against one rank:
-split-KV and cascade decodes on each rank's heads, and deterministic mode's bitwise promise on two ranks.
+split-KV and cascade decodes on each rank's heads, deterministic mode's bitwise promise on two ranks, and four ranks
+sharing two KV heads (each replicated on two ranks).
 `slow`: each test starts its own tensor-parallel engines (one per process at a time, so not beside the module
 engines of tests/test_tensor_parallel.py).
 """
 from __future__ import annotations
 
 import pytest
-from parity_report import assert_same_tokens
+from parity_report import assert_same_tokens, kv_mismatch
 
 import reference
 from chunkwise.checkpoints import tiny_checkpoint
@@ -55,3 +56,20 @@ def test_deterministic_mode_holds_on_two_ranks(case, random_prompt):
     tokens, kv = solo_run(ckpt, prompts, det.MAX_TOKENS, **kw)
     scenario = getattr(det, case)
     assert_bitwise(run_case(ckpt, prompts, scenario, det.MAX_TOKENS, **kw), scenario, tokens, kv)
+
+
+def test_four_ranks_replicate_each_of_two_kv_heads(random_prompt):
+    """Four ranks over 4 query / 2 KV heads: each KV head lives on two ranks (ranks 0-1 hold head 0, 2-3 head 1),
+    each rank one query head; prefill_kv takes each KV head once, from ranks 0 and 2."""
+    ckpt = tiny_checkpoint("llama")
+    prompts = [random_prompt(n, 384, seed=n) for n in (3, 11)]
+    chunks = [None, [4, 7]]
+    ref = reference.Engine(ckpt, max_model_len=64)
+    with Engine(ckpt, tensor_parallel_size=4, page_size=3, max_model_len=64, num_pages=32) as tp:
+        got = [o.token_ids for o in tp.generate(prompts, GREEDY, chunk_sizes=chunks)]
+        kv = tp.prefill_kv(prompts[1], chunk_sizes=chunks[1])
+    assert_same_tokens(ref, prompts, got, [o.token_ids for o in ref.generate(prompts, GREEDY)],
+                       "llama 4/2 heads, tensor_parallel_size=4")
+    for name, a, b in zip("KV", kv, ref.prefill_kv(prompts[1])):
+        msg = kv_mismatch(a, b, name)
+        assert msg is None, f"tensor_parallel_size=4 against the reference: {msg}"
