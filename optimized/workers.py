@@ -194,7 +194,9 @@ class Workers:
             return   # gloo notices a dead peer by itself (its socket closes)
         try:   # torch's own helper where it has one, else the group's abort
             abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-            abort() if abort is not None else dist.distributed_c10d._get_default_group().abort()
+            if abort is None:
+                abort = dist.distributed_c10d._get_default_group().abort
+            abort()
         except Exception:   # best effort: the liveness check still reports the death
             pass
 

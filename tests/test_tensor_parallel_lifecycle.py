@@ -192,6 +192,15 @@ def test_a_sampling_failure_is_contained_and_close_stops_every_worker(ckpt):
     eng.close()   # twice: harmless
 
 
+def test_a_single_device_engine_closes_too(ckpt):
+    eng = Engine(ckpt, page_size=4, num_pages=8, max_model_len=64)
+    with eng:
+        assert eng.generate(PROMPTS[:1], GREEDY)[0].finish_reason == "length"
+    assert not eng.runner.kv_caches, "close() kept the KV cache"
+    with pytest.raises(RuntimeError, match=r"this Engine is closed \(close\(\) was called\)"):
+        eng.add_request(PROMPTS[0], GREEDY)
+
+
 def write_config(tmp_path, **overrides):
     """A checkpoint directory holding only config.json (EngineConfig reads no weights)."""
     from transformers import AutoConfig
