@@ -24,7 +24,7 @@ DEVICE_TYPES = ("cpu", "cuda")
 # Fields that only the optimized engine's paging, batching and kernels use.
 REFERENCE_IGNORED = ("page_size", "num_pages", "gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs",
                      "enable_prefix_caching", "enforce_eager", "split_kv_threshold", "split_size", "cascade_attention",
-                     "deterministic")
+                     "deterministic", "tensor_parallel_size")
 
 
 def _positive_int(name: str, value, low: int = 1) -> None:
@@ -52,6 +52,7 @@ class EngineConfig:
     cascade_attention: bool = True           # decodes sharing prefix splits read them once per step
     deterministic: bool = False              # batch-invariant: a token's bits independent of batch, chunks, pages
                                              # (no split-KV then, so split_kv_threshold/split_size/cascade do not apply)
+    tensor_parallel_size: int = 1            # ranks (one process and device each) sharding the model, Megatron-style
     path: Path = field(init=False, repr=False)                 # the checkpoint directory
     model_config: ModelConfig = field(init=False, repr=False)
 
@@ -84,10 +85,39 @@ class EngineConfig:
         set_("max_model_len", int(max_len))
         set_("path", path)
         set_("model_config", model_config)
+        _check_tensor_parallel(self)
 
     @property
     def max_pages_per_seq(self) -> int:
         return math.ceil(self.max_model_len / self.page_size)
+
+
+def _check_tensor_parallel(config: EngineConfig) -> None:
+    """Refuses a tensor_parallel_size the model's shape or the machine cannot split into equal shards.
+
+    Each rank takes num_heads / N query heads, intermediate_size / N of the MLP and a slice of the vocabulary
+    (any size: the last slices are padded). KV heads are split when N divides their number, and replicated
+    when their number divides N (rank r holds KV head r * num_kv_heads // N), so a rank's query heads all
+    read one of its KV heads."""
+    n, cfg = config.tensor_parallel_size, config.model_config
+    _positive_int("tensor_parallel_size", n)
+    if n == 1:
+        return
+    for field_name, value in (("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size)):
+        if value % n:
+            raise ValueError(f"tensor_parallel_size={n} does not divide the model's {field_name}={value}")
+    if cfg.num_kv_heads % n and n % cfg.num_kv_heads:
+        raise ValueError(f"tensor_parallel_size={n} and the model's num_key_value_heads={cfg.num_kv_heads}: "
+                         f"one must divide the other (KV heads are split or replicated across ranks)")
+    if config.deterministic and n > 2:
+        # Two ranks sum each element once (a + b, the same bits on both and for any message size); with
+        # more, the collective's reduction order depends on the message size, i.e. on the batch.
+        raise ValueError(f"deterministic=True supports tensor_parallel_size up to 2, got {n}")
+    if config.device.type == "cuda":
+        first = config.device.index
+        if first + n > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={n} needs CUDA devices {first}..{first + n - 1} (one per rank, "
+                             f"from device {config.device}); only {torch.cuda.device_count()} visible")
 
 
 def _resolve_dtype(dtype) -> torch.dtype:

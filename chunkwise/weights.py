@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -88,10 +89,13 @@ def _to_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def load_weights(ckpt_dir: str | Path, dtype: torch.dtype | str = torch.float32,
-                 device: torch.device | str = "cpu", cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
+                 device: torch.device | str = "cpu", cfg: ModelConfig | None = None,
+                 shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """All tensors of the checkpoint in `ckpt_dir`, cast to `dtype` on `device`, checked against `cfg`
     (read from the directory's config.json when not given). Raises ValueError naming a missing,
-    unexpected or wrongly shaped tensor, or an unreadable file."""
+    unexpected or wrongly shaped tensor, or an unreadable file. `shard(name, tensor)`, if given, replaces
+    each tensor by the part of it this process keeps (a tensor-parallel rank's slice), as it is read, so
+    only the slices are kept and moved to the device."""
     ckpt_dir = Path(ckpt_dir)
     cfg = cfg if cfg is not None else ModelConfig.from_dir(ckpt_dir)
     dtype = _to_dtype(dtype)
@@ -119,7 +123,7 @@ def load_weights(ckpt_dir: str | Path, dtype: torch.dtype | str = torch.float32,
                 if tuple(t.shape) != want:
                     raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {want} "
                                      f"from config.json")
-                weights[name] = t
+                weights[name] = t if shard is None else shard(name, t)
     for name in files:
         if name not in weights:
             raise ValueError(f"tensor {name!r} is listed for {files[name].name} but that file lacks it")

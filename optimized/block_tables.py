@@ -5,11 +5,15 @@ max_pages_per_seq, so every step's tables have one stride, and so one kernel spe
 batch. A host copy of the same rows gives the slots of a step's tokens without asking the device.
 A row is synced by writing the pages appended since the sequence's last step; the page pool gives a
 sequence a new list when it frees its pages (preemption), and a new list is synced from its start.
+Those writes are also kept as `updates` (rows, columns, pages), so a tensor-parallel worker, which has no
+sequences, `apply`s them to its own device table and holds the same rows.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+_NO_UPDATES = np.zeros((3, 0), np.int64)
 
 
 class BlockTables:
@@ -20,6 +24,7 @@ class BlockTables:
         self.table = torch.zeros(rows, width, dtype=torch.int32, device=device)   # int32 [rows, width]
         self._state: dict[int, list] = {}                 # seq_id -> [row, the block_table list synced, entries]
         self._free = list(range(rows - 1, 0, -1))
+        self.updates = _NO_UPDATES                        # the last `rows` call's writes: rows, columns, pages
 
     @torch.inference_mode()   # the table may be regrown inside a step, which makes it an inference tensor
     def rows(self, seqs) -> np.ndarray:
@@ -43,12 +48,24 @@ class BlockTables:
                 upd_pages += new
                 state[1], state[2] = pages, len(pages)
             out.append(state[0])
+        self.updates = np.array([upd_rows, upd_cols, upd_pages], np.int64) if upd_pages else _NO_UPDATES
         if upd_pages:
-            upd = torch.from_numpy(np.array([upd_rows, upd_cols, upd_pages], np.int64))
-            if self.device.type == "cuda":
-                upd = upd.pin_memory().to(self.device, non_blocking=True)
-            self.table[upd[0], upd[1]] = upd[2].to(torch.int32)
+            self._write(self.updates)
         return np.array(out, np.int64)
+
+    @torch.inference_mode()
+    def apply(self, updates: np.ndarray, num_rows: int) -> None:
+        """Another BlockTables' `updates` (int64 [3, U]) written into this device table, grown to num_rows rows."""
+        if self.table.shape[0] < num_rows:
+            self.table = torch.cat([self.table, self.table.new_zeros(num_rows - self.table.shape[0], self.width)])
+        if updates.shape[1]:
+            self._write(updates)
+
+    def _write(self, updates: np.ndarray) -> None:
+        upd = torch.from_numpy(updates)
+        if self.device.type == "cuda":
+            upd = upd.pin_memory().to(self.device, non_blocking=True)
+        self.table[upd[0], upd[1]] = upd[2].to(torch.int32)
 
     def release(self, seq_id: int) -> None:
         state = self._state.pop(seq_id, None)

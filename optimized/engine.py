@@ -6,10 +6,17 @@ schedule -> run -> postprocess over one `ScheduledBatch`; if the forward or samp
 requests finish with finish_reason "error" (the exception kept on their outputs), their pages are freed,
 and the engine goes on as if they had never run. One lock serialises the public calls, so threads may
 share an engine.
+
+`tensor_parallel_size=N` shards the model over N ranks: this process is rank 0 (it schedules, samples and
+postprocesses as with one device) and starts N-1 worker processes (optimized/workers.py). A failure inside a
+step's forward cannot be contained there (the ranks' caches may disagree): the engine closes and raises
+TensorParallelError. `close()` (or `with Engine(...) as eng:`) stops the workers; an engine that is garbage
+collected, or still open at interpreter exit, stops them too.
 """
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,6 +31,7 @@ from optimized.model_runner import ModelRunner
 from optimized.page_pool import PagePool
 from optimized.scheduler import ScheduledBatch, Scheduler
 from optimized.sequence import Sequence
+from optimized.workers import TensorParallelError, Workers
 
 TQDM_MIN_PROMPTS = 16   # progress bars only for batches worth watching
 
@@ -52,8 +60,22 @@ class Engine:
         self.config, self.dtype, self.device = config.model_config, config.dtype, config.device
         self.max_model_len, self.page_size = config.max_model_len, config.page_size
         self.tokenizer = load_tokenizer(config.path)
-        weights = load_weights(config.path, self.dtype, self.device, cfg=self.config)
-        self.runner = ModelRunner(config, weights)
+        self._closed: str | None = None                      # why the engine takes no more work, once closed
+        if config.tensor_parallel_size == 1:
+            self._workers = None
+            weights = load_weights(config.path, self.dtype, self.device, cfg=self.config)
+            self.runner = ModelRunner(config, weights)
+        else:
+            self._workers = workers = Workers(config)   # they load their shards while this process loads its own
+            self._stop_workers = weakref.finalize(self, workers.close)
+            try:
+                weights = load_weights(config.path, self.dtype, self.device, cfg=self.config, shard=workers.tp.shard)
+                workers.join()
+                self.runner = workers.together(None, lambda: ModelRunner(config, weights, workers.tp, workers),
+                                               wrap=False)
+            except BaseException:
+                workers.close()
+                raise
         self.page_pool = PagePool(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.page_pool, self.config.eos_token_ids)
         self._claims: dict[int, list[StepOutput]] = {}       # outputs collected by a generate/prefill_kv call
@@ -61,9 +83,34 @@ class Engine:
         self._num_ids = 0                                    # request ids handed out: 0 .. _num_ids - 1
         self._lock = threading.RLock()
 
+    # ---- lifetime ----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stops the tensor-parallel workers, if any, and frees the KV cache and weights; later calls to
+        generate, add_request, step or prefill_kv raise RuntimeError. Closing twice is harmless."""
+        with self._lock:
+            self._close("close() was called")
+
+    def _close(self, reason: str) -> None:
+        if self._closed is None:
+            self._closed = reason
+            if self._workers is not None:
+                self._stop_workers()
+            self.runner.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise RuntimeError(f"this Engine is closed ({self._closed})")
+
     # ---- requests ----------------------------------------------------------------------------------
     def _prepare(self, prompts, sampling_params, chunk_sizes) -> list[Sequence]:
         """Validated sequences for a batch of prompts (nothing is scheduled yet)."""
+        self._check_open()
         requests = prepare_requests(self.config, self.tokenizer, self.max_model_len, prompts, sampling_params,
                                     chunk_sizes)
         seqs = [Sequence(-1, r.prompt_token_ids, r.params, r.chunk_sizes) for r in requests]
@@ -132,6 +179,7 @@ class Engine:
         return free
 
     def _step(self) -> list[StepOutput]:
+        self._check_open()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             if self.scheduler.has_unfinished():
@@ -140,8 +188,15 @@ class Engine:
         try:
             sampled, logits = self.runner.run(batch)
             tokens, logprobs = self.runner.sample(sampled, logits)
+        except TensorParallelError as exc:   # not containable: the workers are gone
+            self._close(f"a tensor-parallel step failed: {exc}")
+            raise
         except Exception as exc:   # contained: only this step's requests end, with the error on them
             return self._fail(batch, exc)
+        except BaseException:   # KeyboardInterrupt: inside a tensor-parallel forward it has stopped the workers
+            if self._workers is not None and self._workers.error is not None:
+                self._close(f"interrupted inside a tensor-parallel step: {self._workers.error}")
+            raise
         finished = {s.seq_id for s in self.scheduler.postprocess(batch, tokens)}
         results = []
         for seq in sampled:
@@ -214,6 +269,10 @@ class Engine:
                         raise RuntimeError(f"prefill_kv: the request failed: {failed.output.error}")
                     if seq.num_computed_tokens >= seq.num_prompt_tokens:
                         return self.runner.gather_kv(seq, seq.num_prompt_tokens)
+        except TensorParallelError as exc:
+            with self._lock:
+                self._close(f"a tensor-parallel step failed: {exc}")
+            raise
         finally:
             with self._lock:
                 self._claims.pop(rid, None)

@@ -12,6 +12,10 @@ batch-mates, chunk boundaries or page size, and whether prefill, decode or a rec
 single-pass `paged_attention` that prefill rows take, not split-KV. Norms, RoPE+store and the activation already
 keep a row's bits (their rows per program depend on the width only), and RoPE's cos/sin are elementwise.
 
+Tensor parallelism (`tp`, see optimized/tensor_parallel.py): the weights are one rank's shard; the embedding,
+o_proj and down_proj outputs are summed over the ranks (one all_reduce each) and the logits gathered, so every rank
+carries the same residual stream and ends with the whole logits. Without `tp` the forward calls no collective.
+
 Flat-batch layout (built by `ModelRunner`): tokens of the sequences that bring prompt chunks come first
 (sequence s owns rows query_start_loc[s]:query_start_loc[s+1]), then one token per decoding sequence.
 """
@@ -26,6 +30,7 @@ from chunkwise.config import ModelConfig
 from kernels import (CascadeGroups, act_and_mul, add_rms_norm, cascade_decode, matmul, paged_attention, rms_norm,
                      rope_cos_sin, rope_store, split_kv_decode)
 from kernels.split_kv import DEFAULT_SPLIT_SIZE
+from optimized.tensor_parallel import TensorParallel
 
 
 @dataclass
@@ -51,13 +56,16 @@ class Model:
     """Weights (HF names, fused where it saves launches) and the step forward; no cache of its own."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], split_size: int = DEFAULT_SPLIT_SIZE,
-                 deterministic: bool = False):
+                 deterministic: bool = False, tp: TensorParallel | None = None):
         self.cfg = cfg
         self.deterministic = deterministic
         self.split_size = split_size   # split-KV split length in tokens
+        self.tp = tp                   # None: the whole model on one device
         self.embed = weights["model.embed_tokens.weight"]
         self.final_norm = weights["model.norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        if tp is not None and self.lm_head.shape[0] < tp.vocab_rows:   # the last vocabulary slices: zero rows
+            self.lm_head = F.pad(self.lm_head, (0, 0, 0, tp.vocab_rows - self.lm_head.shape[0]))
         self.layers = [self._layer_weights(weights, i) for i in range(cfg.num_layers)]
         # RoPE depends only on the positions and the layer's RoPE config: one inv_freq per distinct config
         # (e.g. Gemma's local/global), and cos/sin built once per step for each, not once per layer.
@@ -100,7 +108,7 @@ class Model:
 
     def forward(self, inp: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Logits [N, vocab] in float32 for the rows `inp.logits_indices`, after writing every layer's K/V."""
-        h = F.embedding(inp.input_ids, self.embed)
+        h = self._embed(inp.input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         rope = [rope_cos_sin(inp.positions, inv_freq) for inv_freq in self.inv_freqs]
@@ -120,16 +128,28 @@ class Model:
                 x, residual = self._add_norm(h, residual, lw["post_attn_norm"])
             h = self._mlp(lw, x)
         x, _ = self._add_norm(h, residual, self.final_norm, pending)  # row-wise: norm all rows, then pick
-        logits = self._linear(x[inp.logits_indices], self.lm_head).float()
+        logits = self._linear(x[inp.logits_indices], self.lm_head)
+        if self.tp is not None:
+            logits = self.tp.gather_logits(logits)
+        logits = logits.float()
         cap = self.cfg.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.embedding(ids, self.embed)
+        local = ids - self.tp.vocab.start
+        inside = (local >= 0) & (local < self.embed.shape[0])
+        h = F.embedding(torch.where(inside, local, 0), self.embed)
+        return self.tp.all_reduce(h.masked_fill_(~inside[:, None], 0))
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x @ w.T for a weight w [out, in]: batch-invariant in deterministic mode, torch's BLAS otherwise."""
         return matmul(x, w) if self.deterministic else x @ w.t()
 
     def _mlp(self, lw: dict, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(act_and_mul(self._linear(x, lw["gate_up"]), self.cfg.hidden_act), lw["down"])
+        out = self._linear(act_and_mul(self._linear(x, lw["gate_up"]), self.cfg.hidden_act), lw["down"])
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def _attention(self, i: int, lw: dict, x: torch.Tensor, inp: StepInputs, kv, rope,
                    decode_qsl: torch.Tensor | None) -> torch.Tensor:
@@ -153,4 +173,6 @@ class Model:
             split_kv_decode(q[p:], k_cache, v_cache, inp.decode_block_tables, inp.decode_seq_lens,
                             cfg.attn_scale, sliding_window=window, split_size=self.split_size, out=out[p:])
         out = self._linear(out.reshape(t, -1), lw["o"])
+        if self.tp is not None:
+            self.tp.all_reduce(out)
         return out + lw["o_bias"] if "o_bias" in lw else out

@@ -6,11 +6,18 @@ packed into one buffer per dtype and copied once; block tables live on the devic
 Decode-only batches replay CUDA graphs captured per batch-size bucket (rows past the real batch are
 padding: slot -1, so nothing is stored, and their logits are dropped). On GPU, construction runs a
 forward per kernel specialisation class, so a user's first workload compiles nothing.
+
+Tensor parallel (`tp`): this runner is one rank's, over its shard; its KV cache holds the rank's KV heads, and
+every rank agrees on the pool size (the smallest any rank can hold). Rank 0's runner (the engine's) has the
+`workers` and sends them each step's HostStep (with the block-table writes it made, since workers have no
+sequences) before its own forward; a worker's runner replays it (`run_host`). Every rank then runs the same
+forward, eager or the same CUDA graph, so the collectives inside match.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import psutil
@@ -23,6 +30,10 @@ from kernels.cascade import CascadeGroups, cascade_groups
 from kernels.split_kv import DEFAULT_SPLIT_SIZE, split_tile_config
 from optimized.block_tables import BlockTables
 from optimized.model import Model, StepInputs
+from optimized.tensor_parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from optimized.workers import Workers
 
 # The Triton interpreter runs a split-KV decode (split + merge programs) slower than a one-pass decode
 # for short contexts; on CPU only long sequences take it by default. On GPU every decode does, which is
@@ -44,6 +55,8 @@ class HostStep:
     query_start_loc: np.ndarray  # int32 [P + 1], prefill rows only
     num_prefill: int             # P
     cascade: CascadeGroups | None = None   # the decodes' shared splits (host tensors)
+    table_updates: np.ndarray | None = None   # int64 [3, U]: BlockTables writes of this step (rows, cols, pages)
+    table_rows: int = 0                       # rows of the block table after them
 
 
 def _synthetic_step(chunks: list[int], num_decodes: int) -> HostStep:
@@ -57,10 +70,10 @@ def _synthetic_step(chunks: list[int], num_decodes: int) -> HostStep:
                     num_prefill=len(chunks))
 
 
-def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-    """Bytes one page takes over all layers, K and V."""
+def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype, kv_heads: int | None = None) -> int:
+    """Bytes one page takes over all layers, K and V (of `kv_heads` heads: a tensor-parallel rank's)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * elem
+    return 2 * cfg.num_layers * page_size * (kv_heads or cfg.num_kv_heads) * cfg.head_dim * elem
 
 
 def activation_reserve(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int,
@@ -73,24 +86,29 @@ def activation_reserve(cfg: ModelConfig, max_num_batched_tokens: int, max_num_se
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: EngineConfig, weights: dict[str, torch.Tensor], tp: TensorParallel | None = None,
+                 workers: Workers | None = None):
         cfg = config.model_config
         self.config, self.cfg = config, cfg
-        self.dtype, self.device, self.page_size = config.dtype, config.device, config.page_size
+        self.tp, self.workers = tp, workers
+        self.num_heads = len(tp.q_heads) if tp else cfg.num_heads          # this rank's
+        self.num_kv_heads = len(tp.kv_heads) if tp else cfg.num_kv_heads
+        self.dtype, self.page_size = config.dtype, config.page_size
+        self.device = tp.device if tp else config.device
         threshold = config.split_kv_threshold
         self.split_kv_threshold = threshold if threshold is not None else (
             0 if self.device.type == "cuda" else CPU_SPLIT_KV_THRESHOLD)
         self.split_size = DEFAULT_SPLIT_SIZE if config.split_size is None else config.split_size
-        block_n = split_tile_config(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)[1]
+        block_n = split_tile_config(cfg.head_dim, self.num_heads // self.num_kv_heads)[1]
         if self.split_size % block_n:
             raise ValueError(f"split_size must be a multiple of {block_n} (the split-KV tile for head_dim "
                              f"{cfg.head_dim}), got {self.split_size}")
-        self.model = Model(cfg, weights, split_size=self.split_size, deterministic=config.deterministic)
+        self.model = Model(cfg, weights, split_size=self.split_size, deterministic=config.deterministic, tp=tp)
         # Deterministic decodes take the single-pass kernel, so there are no splits to share.
         self.cascade = config.cascade_attention and not config.deterministic
         self.max_pages_per_seq = config.max_pages_per_seq
-        self.num_pages = self._pool_size()
-        shape = (self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
+        self.num_pages = self._pool_size() if tp is None else tp.min(self._pool_size())
+        shape = (self.num_pages, self.page_size, self.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
         self.tables = BlockTables(self.max_pages_per_seq, self.device)
@@ -104,7 +122,7 @@ class ModelRunner:
     def _pool_size(self) -> int:
         """Pages the pool gets: as asked (if memory holds them) or what the memory budget allows."""
         config = self.config
-        per_page = page_bytes(self.cfg, self.page_size, self.dtype)
+        per_page = page_bytes(self.cfg, self.page_size, self.dtype, self.num_kv_heads)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = min(free, total * config.gpu_memory_utilization - (total - free))
@@ -158,7 +176,8 @@ class ModelRunner:
         host = HostStep(ids=ids, positions=pos, slots=slots, logits_indices=(ends - 1)[samples], rows=rows,
                         seq_lens=(start + n).astype(np.int32), query_start_loc=np.concatenate(
                             ([0], ends[:len(prefill)])).astype(np.int32), num_prefill=len(prefill),
-                        cascade=self._cascade(decode))
+                        cascade=self._cascade(decode), table_updates=self.tables.updates,
+                        table_rows=self.tables.table.shape[0])
         return host, [e[0] for e in entries if e[2]]
 
     def _cascade(self, decode) -> CascadeGroups | None:
@@ -207,7 +226,15 @@ class ModelRunner:
     def run(self, batch) -> tuple[list, torch.Tensor]:
         """Forward of one step; returns the sequences that sample now and their logits [N, vocab] float32."""
         host, sampled = self.prepare(batch)
+        if self.workers is not None:
+            return sampled, self.workers.together(("step", host), lambda: self.forward(host))
         return sampled, self.forward(host)
+
+    @torch.inference_mode()
+    def run_host(self, host: HostStep) -> None:
+        """A tensor-parallel worker's part of rank 0's step: its block-table writes, then the forward."""
+        self.tables.apply(host.table_updates, host.table_rows)
+        self.forward(host)
 
     def forward(self, host: HostStep) -> torch.Tensor:
         """Logits of a prepared step: a CUDA graph replay for decode-only steps that fit one, else eager
@@ -294,7 +321,22 @@ class ModelRunner:
 
     # ---- sampling ----------------------------------------------------------------------------------
     def sample(self, seqs, logits: torch.Tensor) -> tuple[dict[int, int], dict[int, dict[int, float]]]:
-        """Tokens (and requested logprobs) per seq_id; each request samples from its own generator."""
+        """Tokens (and requested logprobs) per seq_id; each request samples from its own generator.
+
+        With workers, the step is confirmed after it: sampling waits for the logits, so for the whole step, and a
+        rank lost meanwhile (NCCL runs asynchronously: an aborted collective may have left rank 0 running on)
+        voids the step and raises TensorParallelError, also when it is why sampling failed."""
+        if self.workers is None:
+            return self._sample(seqs, logits)
+        try:
+            result = self._sample(seqs, logits)
+        except Exception:
+            self.workers.check()
+            raise
+        self.workers.check()
+        return result
+
+    def _sample(self, seqs, logits: torch.Tensor) -> tuple[dict[int, int], dict[int, dict[int, float]]]:
         greedy = torch.argmax(logits, dim=-1).tolist() if logits.shape[0] else []
         tokens, logprobs = {}, {}
         for row, seq in enumerate(seqs):
@@ -315,11 +357,29 @@ class ModelRunner:
         self.tables.release(seq_id)
 
     def gather_kv(self, seq, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [num_layers, num_tokens, kv_heads, head_dim] of a sequence's first tokens, from its pages."""
+        """K and V [num_layers, num_tokens, kv_heads, head_dim] of a sequence's first tokens, from its pages
+        (with tensor parallelism, every KV head from the rank that holds it)."""
         pos = np.arange(num_tokens)
         slots = np.asarray(seq.block_table, np.int64)[pos // self.page_size] * self.page_size + pos % self.page_size
-        slots = torch.from_numpy(slots).to(self.device)
-        kvh, d = self.cfg.num_kv_heads, self.cfg.head_dim
-        k = torch.stack([kc.view(-1, kvh, d)[slots] for kc, _ in self.kv_caches])
-        v = torch.stack([vc.view(-1, kvh, d)[slots] for _, vc in self.kv_caches])
+        if self.workers is None:
+            return self.kv_at(slots)
+        kv = self.workers.together(("kv", slots), lambda: self.kv_at(slots))
+        if self.device.type == "cuda":   # confirmed once complete, as a step is in `sample`
+            torch.cuda.synchronize(self.device)
+        self.workers.check()
+        return kv
+
+    def kv_at(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [num_layers, len(slots), kv_heads, head_dim] at the cache slots (all ranks' heads under tp)."""
+        idx = torch.from_numpy(slots).to(self.device)
+        kvh, d = self.num_kv_heads, self.cfg.head_dim
+        k = torch.stack([kc.view(-1, kvh, d)[idx] for kc, _ in self.kv_caches])
+        v = torch.stack([vc.view(-1, kvh, d)[idx] for _, vc in self.kv_caches])
+        if self.tp is not None:
+            k, v = self.tp.gather_kv_heads(k), self.tp.gather_kv_heads(v)
         return k, v
+
+    def close(self) -> None:
+        """Frees the KV cache, the CUDA graphs and the weights; the runner runs nothing after this."""
+        self.kv_caches, self.graphs, self.model = [], {}, None
+        self.graph_logits = {}

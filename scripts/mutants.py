@@ -161,8 +161,8 @@ MUTANTS = [
            '        s = tl.load(members_ptr + first + 0 * member, mask=row_ok, other=0).to(tl.int64)\n',
            "a shared split attends every member's rows with the first member's queries (and writes them there)"),
     Mutant('deterministic_mode_uses_torch_for_gate_up', 'optimized/model.py',
-           '        return self._linear(act_and_mul(self._linear(x, lw["gate_up"]), self.cfg.hidden_act), lw["down"])\n',
-           '        return self._linear(act_and_mul(x @ lw["gate_up"].t(), self.cfg.hidden_act), lw["down"])\n',
+           '        out = self._linear(act_and_mul(self._linear(x, lw["gate_up"]), self.cfg.hidden_act), lw["down"])\n',
+           '        out = self._linear(act_and_mul(x @ lw["gate_up"].t(), self.cfg.hidden_act), lw["down"])\n',
            "deterministic mode sends one projection (gate_up) through torch's row-count-dependent BLAS"),
     # ---- runner, sampling -------------------------------------------------------------------------------
     Mutant('sampling_rows_in_batch_order', 'optimized/model_runner.py',

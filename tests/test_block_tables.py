@@ -1,5 +1,6 @@
 """BlockTables (the runner's device block tables): after any sequence of page appends, frees, retakes and
-releases, each sequence's row on host and device starts with exactly its block table."""
+releases, each sequence's row on host and device starts with exactly its block table; and a mirror that only
+applies each step's recorded writes (a tensor-parallel worker's tables) holds the same device table."""
 import torch
 from hypothesis import given, strategies as st
 
@@ -15,6 +16,7 @@ class Seq:
 def test_rows_hold_each_sequences_pages_after_appends_frees_and_releases(data):
     width = data.draw(st.integers(1, 6), label="width")
     tables = BlockTables(width, torch.device("cpu"), rows=2)   # tiny, so rows are also grown
+    mirror = BlockTables(width, torch.device("cpu"), rows=2)
     seqs = {i: Seq(i) for i in range(5)}
     for _ in range(data.draw(st.integers(1, 30), label="steps")):
         op = data.draw(st.sampled_from(["append", "free", "release"]))
@@ -27,6 +29,8 @@ def test_rows_hold_each_sequences_pages_after_appends_frees_and_releases(data):
             tables.release(seq.seq_id)
         batch = data.draw(st.lists(st.sampled_from(sorted(seqs)), min_size=1, max_size=5, unique=True))
         rows = tables.rows([seqs[i] for i in batch])
+        mirror.apply(tables.updates, tables.table.shape[0])
+        assert torch.equal(mirror.table, tables.table), "a worker applying the recorded writes holds other rows"
         assert len(set(rows.tolist())) == len(rows) and 0 not in rows, "rows shared, or row 0 (padding) given out"
         for i, row in zip(batch, rows):
             pages = seqs[i].block_table

@@ -92,7 +92,7 @@ def test_reference_engine_validates_the_same_fields_and_ignores_the_paging_ones(
     with pytest.raises(ValueError, match="page_size must be an integer >= 1, got 0"):
         reference.Engine(ckpt, page_size=0)
     assert set(REFERENCE_IGNORED) < set(EngineConfig.__dataclass_fields__)
-    paged = reference.Engine(ckpt, page_size=3, num_pages=7, split_size=64, max_model_len=64)
+    paged = reference.Engine(ckpt, page_size=3, num_pages=7, split_size=64, tensor_parallel_size=2, max_model_len=64)
     plain = reference.Engine(ckpt, max_model_len=64)
     assert [o.token_ids for o in paged.generate(PROMPTS[:2], GREEDY)] == \
         [o.token_ids for o in plain.generate(PROMPTS[:2], GREEDY)]

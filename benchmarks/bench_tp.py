@@ -1,0 +1,215 @@
+"""Tensor parallelism's scaling on two GPUs, one process: TP=1 against TP=2 on a Llama-3-8B-shaped model.
+
+    PYTHONPATH=$PWD python -m pytest --benchmark-only benchmarks/bench_tp.py -s [--benchmark-json=out/tp.json]
+
+Model: Llama 3 8B's shape (32 layers, hidden 4096, 32 query / 8 KV heads of 128, intermediate 14336, vocab 128256,
+untied embeddings), random bf16 weights (normal, std 0.02; norms 1), written once as sharded safetensors under
+$CHUNKWISE_CACHE/bench/ (16 GB; each tensor drawn on the GPU from a fixed seed, so writing takes as long as the disk
+does) and loaded through the engine's own loader: each TP=2 rank keeps only its slices.
+Workload (bench_engine.py's decode-heavy one, scaled to run in minutes): 128 requests, random prompts of 128..1024
+tokens, 64..384 output tokens (ignore_eos), all running at once (max_num_seqs 128).
+Per engine: construction (weights, warm-up, CUDA graphs; for TP=2 the worker too), a first run on 32 requests of
+another seed, then the timed run, asserted to compile no Triton kernel (rank 0's count; every rank runs the same
+shapes). Then a decode window: 64 sequences of 512 prompt tokens decoding together, 16 steps timed, 16 more under
+torch.profiler on rank 0, whose NCCL kernels per step (2 all-reduces per layer, the embedding's, the logits gather;
+waits for the other rank included) give the communication time per decode step.
+Reported: output tok/s, TP=2's speed-up and scaling efficiency (speed-up / 2; issue 12's goal: TP=2 >= 1.7x TP=1),
+decode step time, NCCL time per decode step and its share of the step, and each engine against its roofline
+(benchmarks/roofline.py, ceilings measured on GPU 0; N ranks' ideal is N times one GPU's: each reads 1/N of the
+weights and KV and does 1/N of the FLOPs, communication free).
+NVLink multicast stays off: NCCL_NVLS_ENABLE=0 and its kin are set here when unset, and the workers inherit them.
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.bench_engine import COMPILED, Spec, _install_compile_counter, make_workload, run_engine
+from benchmarks.roofline import ModelCost, measure_ceilings, workload_roofline
+from chunkwise.cache import cache_root, cached_dir
+from chunkwise.config import ModelConfig
+from chunkwise.weights import INDEX_FILE, expected_shapes
+from optimized import Engine, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
+
+LLAMA3_8B_SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+SPEC = Spec(128, (128, 1024), (64, 384), 128, hf_requests=0, hf_batch=1, cb_requests=0)
+FIRST_RUN_REQUESTS = 32
+WINDOW_SEQS, WINDOW_PROMPT, WINDOW_STEPS = 64, 512, 16
+NCCL_CALLS_PER_STEP = 2 * LLAMA3_8B_SHAPE["num_hidden_layers"] + 2   # o and down per layer, embedding, logits
+SHARD_BYTES = 4 << 30
+SIZES = [1, 2]
+RESULTS: dict[int, dict] = {}
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nvlink_multicast_off():
+    """Set (where unset) before any engine starts NCCL; the workers inherit this process's environment."""
+    for var, value in NO_MULTICAST.items():
+        os.environ.setdefault(var, value)
+
+
+def random_checkpoint(shape: dict, seed: int = 0, std: float = 0.02, device: str = "cuda",
+                      shard_bytes: int = SHARD_BYTES, root: Path | None = None) -> Path:
+    """A cached checkpoint directory (under `root`, default the cache's bench/) of `shape` (Llama) with random
+    bf16 weights drawn on `device`, in safetensors shards of about `shard_bytes` with their index."""
+    key = json.dumps({"v": 1, "shape": shape, "seed": seed, "std": std, "dtype": "bfloat16", "device": device,
+                      "shard_bytes": shard_bytes}, sort_keys=True)
+    root = root if root is not None else cache_root() / "bench"
+    path = root / f"llama-random-bf16-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    return cached_dir(path, key, lambda out: _write_random(shape, seed, std, device, shard_bytes, out))
+
+
+def _write_random(shape: dict, seed: int, std: float, device: str, shard_bytes: int, out: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    LlamaConfig(**shape).save_pretrained(out)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weight_map, shard, size, total = {}, {}, 0, 0
+
+    def flush():
+        nonlocal size
+        name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+        save_file(shard, out / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        shard.clear()
+        size = 0
+    for name, dims in expected_shapes(ModelConfig.from_dir(out)).items():
+        if name.endswith("norm.weight"):
+            t = torch.ones(dims, dtype=torch.bfloat16)
+        else:
+            t = torch.randn(dims, generator=gen, device=device, dtype=torch.bfloat16).mul_(std).cpu()
+        shard[name] = t
+        size += 2 * t.numel()
+        total += 2 * t.numel()
+        if size >= shard_bytes:
+            flush()
+    if shard:
+        flush()
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    start = time.perf_counter()
+    path = random_checkpoint(LLAMA3_8B_SHAPE)
+    print(f"\ncheckpoint {path} ready in {time.perf_counter() - start:.1f} s")
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(ckpt):
+    """(workload, its one-GPU roofline) with the ceilings measured on GPU 0."""
+    _install_compile_counter()
+    ceilings = measure_ceilings()
+    w = make_workload(SPEC, LLAMA3_8B_SHAPE["vocab_size"], seed=0)
+    roof = workload_roofline(ModelCost.of(ModelConfig.from_dir(ckpt), ckpt), list(map(len, w.prompts)),
+                             w.output_lens, ceilings)
+    print(f"ceilings: copy {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
+          f"{ceilings.matmul_flops_per_s / 1e12:.0f} TFLOP/s ({torch.cuda.get_device_name()}); one-GPU roofline "
+          f"{roof['seconds']:.2f} s = {roof['tokens_per_s']:.0f} tok/s")
+    return w, roof
+
+
+def decode_window(eng: Engine) -> dict:
+    """Decode step time of WINDOW_SEQS sequences decoding together, and rank 0's NCCL kernel time per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(3)
+    params = SamplingParams(max_tokens=4 * WINDOW_STEPS, ignore_eos=True)
+    for _ in range(WINDOW_SEQS):
+        eng.add_request(torch.randint(3, LLAMA3_8B_SHAPE["vocab_size"], (WINDOW_PROMPT,), generator=gen).tolist(),
+                        params)
+    sched = eng.scheduler
+    while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):
+        eng.step()
+    for _ in range(4):   # decode-only from here
+        eng.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(WINDOW_STEPS):
+        eng.step()
+    torch.cuda.synchronize()
+    step_s = (time.perf_counter() - start) / WINDOW_STEPS
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(WINDOW_STEPS):
+            eng.step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    nccl = [e for e in kernels if "nccl" in e.name.lower()]
+    while eng.has_unfinished():
+        eng.step()
+    return dict(decode_step_ms=1e3 * step_s, kernels_per_step=len(kernels) / WINDOW_STEPS,
+                nccl_calls_per_step=len(nccl) / WINDOW_STEPS,
+                nccl_ms_per_step=sum(e.time_range.elapsed_us() for e in nccl) / 1e3 / WINDOW_STEPS)
+
+
+@pytest.mark.parametrize("tp", SIZES, ids=[f"tp{n}" for n in SIZES])
+def test_engine_throughput(benchmark, ckpt, setup, tp):
+    w, roof = setup
+    gc.collect()
+    torch.cuda.empty_cache()
+    start = time.perf_counter()
+    eng = Engine(ckpt, dtype="bfloat16", max_model_len=SPEC.prompt[1] + SPEC.output[1] + 16,
+                 max_num_batched_tokens=8192, max_num_seqs=SPEC.max_num_seqs, tensor_parallel_size=tp)
+    try:
+        construct = time.perf_counter() - start
+        run_engine(eng, make_workload(SPEC, LLAMA3_8B_SHAPE["vocab_size"], seed=1).head(FIRST_RUN_REQUESTS))
+        compiles = len(COMPILED)
+        tokens, seconds = benchmark.pedantic(run_engine, args=(eng, w), rounds=1, iterations=1)
+        timed_compiles = COMPILED[compiles:]
+        window = decode_window(eng)
+        num_pages, graphs = eng.runner.num_pages, len(eng.runner.graphs)
+    finally:   # the KV cache fills the GPUs: free them (and stop the worker) even when a check failed
+        eng.close()
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert not timed_compiles, f"the timed run compiled Triton kernels: {timed_compiles}"
+    r = dict(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, construct_s=construct,
+             pct_roofline=100 * tokens / seconds / (tp * roof["tokens_per_s"]), num_pages=num_pages,
+             cuda_graphs=graphs, **window)
+    if tp > 1 and 1 in RESULTS:
+        one = RESULTS[1]
+        r["speedup"] = r["tokens_per_s"] / one["tokens_per_s"]
+        r["efficiency"] = r["speedup"] / tp
+        r["decode_step_speedup"] = one["decode_step_ms"] / r["decode_step_ms"]
+        if r["nccl_calls_per_step"]:
+            r["nccl_share"] = r["nccl_ms_per_step"] / r["decode_step_ms"]
+    RESULTS[tp] = r
+    benchmark.extra_info.update(r)
+    print(f"TP={tp}: {tokens} tokens in {seconds:.2f} s = {r['tokens_per_s']:.0f} tok/s "
+          f"({r['pct_roofline']:.1f}% of its roofline), Engine(...) {construct:.1f} s; decode step "
+          f"{r['decode_step_ms']:.2f} ms, NCCL {r['nccl_ms_per_step']:.3f} ms in {r['nccl_calls_per_step']:.0f} "
+          f"kernels per step ({'expected ' + str(NCCL_CALLS_PER_STEP) if tp > 1 else 'none expected'})")
+    if tp > 1 and r["nccl_calls_per_step"] == 0:
+        print("  the profiler saw no NCCL kernel: its figure for TP=2 is missing, not zero")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report():
+    yield
+    if not RESULTS:
+        return
+    lines = [f"{'engine':7} {'tok/s':>8} {'% roof':>7} {'speed-up':>9} {'effic.':>7} {'decode ms':>10} "
+             f"{'NCCL ms':>8} {'NCCL %':>7}"]
+    for tp, r in RESULTS.items():
+        extra = (f"{r['speedup']:8.2f}x {100 * r['efficiency']:6.1f}%" if "speedup" in r else f"{'-':>9} {'-':>7}")
+        nccl = (f"{r['nccl_ms_per_step']:8.3f} {100 * r['nccl_share']:6.1f}%" if "nccl_share" in r
+                else f"{'-':>8} {'-':>7}")
+        lines.append(f"TP={tp:<4} {r['tokens_per_s']:8.0f} {r['pct_roofline']:7.1f} {extra} "
+                     f"{r['decode_step_ms']:10.2f} {nccl}")
+    print("\nLlama-3-8B shape, random bf16, " + f"{SPEC.requests} requests:\n" + "\n".join(lines))

@@ -1,0 +1,115 @@
+"""Megatron-style tensor parallelism: the slice of each weight a rank holds, and the collectives of its forward.
+
+Rank r of N holds (H query heads, KV key/value heads, I = intermediate_size, V = vocab_size, P = ceil(V / N)):
+  q_proj (and its bias)       rows of query heads [r*H/N, (r+1)*H/N)                          column-parallel
+  k_proj, v_proj (and biases) rows of KV heads [r*KV/N, (r+1)*KV/N) when N divides KV; else   column-parallel
+                              (KV divides N) the one KV head r*KV//N, replicated on N/KV ranks
+  o_proj                      columns of its query heads; the partial outputs are summed by one all_reduce and
+                              the bias added once, after it                                   row-parallel
+  gate_proj, up_proj          rows [r*I/N, (r+1)*I/N) each (fused as gate then up, as on one device)
+  down_proj                   those columns, then one all_reduce                               row-parallel
+  embed_tokens, lm_head       vocabulary rows [r*P, min((r+1)*P, V)): a rank embeds the ids in its slice and zeros
+                              the others, and an all_reduce adds the one non-zero row of each token; lm_head gives
+                              the rank its slice of the logits (padded to P rows), gathered on every rank
+  norms, q_norm, k_norm       whole (replicated)
+A rank's query heads all read its own KV heads in the same order as on one device (local query head j reads local
+KV head j // group), so the attention kernels run unchanged on the shard, and each rank's paged KV cache holds
+only its KV heads, with the same pages and block tables on every rank.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from chunkwise.config import ModelConfig
+
+# torch >= 2.12 names all_gather_into_tensor all_gather_single (the old name warns there); same arguments.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """Rank `rank` of `size` on `device`, over torch.distributed's default process group."""
+    rank: int
+    size: int
+    cfg: ModelConfig
+    device: torch.device
+
+    # ---- what this rank holds ----------------------------------------------------------------------
+    @property
+    def q_heads(self) -> range:
+        n = self.cfg.num_heads // self.size
+        return range(self.rank * n, (self.rank + 1) * n)
+
+    @property
+    def kv_heads(self) -> range:
+        kv = self.cfg.num_kv_heads
+        if kv >= self.size:
+            n = kv // self.size
+            return range(self.rank * n, (self.rank + 1) * n)
+        first = self.rank * kv // self.size   # replicated: this rank's query heads all map to this KV head
+        return range(first, first + 1)
+
+    @property
+    def vocab_rows(self) -> int:
+        """P: rows of every rank's (padded) lm_head slice."""
+        return math.ceil(self.cfg.vocab_size / self.size)
+
+    @property
+    def vocab(self) -> range:
+        p = self.vocab_rows
+        return range(min(self.rank * p, self.cfg.vocab_size), min((self.rank + 1) * p, self.cfg.vocab_size))
+
+    def shard(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the checkpoint tensor `name` (HF names; a copy, so the whole can be freed)."""
+        d, inter = self.cfg.head_dim, self.cfg.intermediate_size // self.size
+        q, kv = self.q_heads, self.kv_heads
+        kind = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            w = w[self.vocab.start:self.vocab.stop]
+        elif kind == "q_proj":
+            w = w[q.start * d:q.stop * d]
+        elif kind in ("k_proj", "v_proj"):
+            w = w[kv.start * d:kv.stop * d]
+        elif kind == "o_proj" and name.endswith(".weight"):
+            w = w[:, q.start * d:q.stop * d]
+        elif kind in ("gate_proj", "up_proj"):
+            w = w[self.rank * inter:(self.rank + 1) * inter]
+        elif kind == "down_proj":
+            w = w[:, self.rank * inter:(self.rank + 1) * inter]
+        return w.clone(memory_format=torch.contiguous_format)
+
+    # ---- collectives (every rank calls them in the same order) ---------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks, in place (every rank gets the same bits)."""
+        dist.all_reduce(x)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[size, *x.shape]: every rank's x, in rank order."""
+        x = x.contiguous()
+        out = torch.empty(self.size * x.shape[0], *x.shape[1:], dtype=x.dtype, device=x.device)
+        _all_gather_flat(out, x)   # concatenated along dim 0 (gloo insists on that layout)
+        return out.view(self.size, *x.shape)
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[N, V] from each rank's [N, P] slice (padding columns dropped)."""
+        parts = self.all_gather(logits)                       # [size, N, P]
+        return parts.permute(1, 0, 2).reshape(logits.shape[0], self.size * logits.shape[1])[:, :self.cfg.vocab_size]
+
+    def gather_kv_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., num_kv_heads, head_dim] from each rank's [..., local_kv_heads, head_dim]: the KV heads in order,
+        each once (a replicated head is taken from the first rank that holds it)."""
+        parts = self.all_gather(x)
+        kv = self.cfg.num_kv_heads
+        ranks = range(self.size) if kv >= self.size else [h * self.size // kv for h in range(kv)]
+        return torch.cat([parts[r] for r in ranks], dim=-2)
+
+    def min(self, value: int) -> int:
+        """The smallest of every rank's `value`."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())

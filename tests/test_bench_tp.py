@@ -1,0 +1,44 @@
+"""benchmarks/bench_tp.py's CPU-side parts: its random checkpoint (sharded safetensors with an index) loads in the
+engine and has the shape asked for; without two GPUs its benchmarks are collected and skipped, not errors."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.bench_tp import random_checkpoint
+from benchmarks.roofline import ModelCost
+from chunkwise.config import ModelConfig
+from chunkwise.weights import INDEX_FILE, load_weights
+from optimized import Engine, SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+             bos_token_id=1, eos_token_id=2)
+
+
+def test_random_checkpoint_is_sharded_of_the_shape_and_runs(tmp_path):
+    path = random_checkpoint(SHAPE, device="cpu", shard_bytes=40_000, root=tmp_path)
+    assert random_checkpoint(SHAPE, device="cpu", shard_bytes=40_000, root=tmp_path) == path   # built once
+    assert len(list(path.glob("model-*.safetensors"))) >= 3 and (path / INDEX_FILE).is_file()
+    cfg = ModelConfig.from_dir(path)
+    weights = load_weights(path, torch.bfloat16, cfg=cfg)   # checks every name and shape against the config
+    assert all(w.dtype == torch.bfloat16 for w in weights.values())
+    emb = weights["model.embed_tokens.weight"].float()
+    assert 0.015 < emb.std() < 0.025 and torch.equal(weights["model.norm.weight"], torch.ones(64, dtype=torch.bfloat16))
+    assert ModelCost.of(cfg, path).weight_bytes == 2 * sum(w.numel() for w in weights.values())
+    out = Engine(path, max_model_len=64, num_pages=16).generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0]
+    assert len(out.token_ids) == 3
+
+
+def test_without_two_gpus_the_benchmarks_are_collected_and_skipped():
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("two GPUs here: the benchmarks run")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--benchmark-only", "benchmarks/bench_tp.py", "-q", "-rs",
+                           "-p", "no:cacheprovider"], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 skipped" in proc.stdout, proc.stdout

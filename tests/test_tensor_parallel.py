@@ -1,0 +1,133 @@
+"""Tensor parallelism on CPU (gloo, float32, the Triton interpreter): Engine(tensor_parallel_size=2) against one
+rank and against the reference.
+
+Four tiny shapes, each crossing one way the sharding can go wrong: MHA (two KV heads per rank, q/k/v/o biases:
+o_proj's bias must be added once, after the all-reduce), GQA (Qwen2: one KV head per rank, sharded q/k/v biases;
+a pool so tight that requests are preempted and their block-table rows rewritten; transformers initialises
+biases to zero, so both get random ones here, or a bias bug would be invisible), MQA (one KV head replicated on
+both ranks, and a vocabulary of 383 whose last slice is padded) and Gemma 3 (MQA too, sliding window 8, q/k norm,
+tied embeddings, embedding scale). Prompts are chunked and the page size is 3, so chunks and pages cut the
+prompts at many places. Greedy tokens must equal the reference's exactly; prefill_kv's K/V (every KV head, each
+once) within the strict tier's tolerance of one rank's and the reference's (float32, different summation orders:
+the row-parallel sums add the ranks' partial products, so K/V past the first layer differ in the last bits).
+One engine per shape for the whole module: spawning a worker costs seconds. A `slow` test adds greedy tokens
+against one rank's; tests/test_tensor_parallel_modes.py covers split-KV, cascade and deterministic mode.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from parity_report import assert_same_tokens, kv_mismatch
+
+import reference
+from chunkwise.checkpoints import tiny_checkpoint
+from chunkwise.config import ModelConfig
+from optimized import Engine, SamplingParams
+from optimized.tensor_parallel import TensorParallel
+
+pytestmark = pytest.mark.correctness
+
+MODELS = {
+    "mha": ("llama", dict(num_key_value_heads=4, attention_bias=True)),
+    "gqa": ("qwen2", {}),
+    "mqa": ("llama", dict(num_key_value_heads=1, vocab_size=383)),
+    "gemma3": ("gemma3_text", {}),
+}
+ENGINE_KW = dict(page_size=3, max_model_len=64, max_num_batched_tokens=32)
+# gqa: 10 pages for requests needing 19, so some are preempted and recomputed.
+NUM_PAGES = {"mha": 64, "gqa": 10, "mqa": 64, "gemma3": 64}
+LENGTHS, CHUNKS = [1, 13, 22], [None, [5, 8], [3, 1, 18]]
+GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+def prompts_for(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+def with_random_biases(ckpt, out):
+    """A copy of the checkpoint whose bias tensors (zeros as transformers initialises them) are random."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(ckpt, out)
+    weights = load_file(out / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    for name, w in weights.items():
+        if name.endswith(".bias"):
+            weights[name] = 0.2 * torch.randn(w.shape, generator=gen, dtype=w.dtype)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def case(request, tmp_path_factory):
+    """(name, checkpoint, TP=2 engine, TP=1 engine, reference), one set per shape."""
+    family, overrides = MODELS[request.param]
+    ckpt = tiny_checkpoint(family, **overrides)
+    if request.param in ("mha", "gqa"):
+        ckpt = with_random_biases(ckpt, tmp_path_factory.mktemp("biased") / ckpt.name)
+    kw = dict(ENGINE_KW, num_pages=NUM_PAGES[request.param])
+    with Engine(ckpt, tensor_parallel_size=2, **kw) as tp:
+        yield request.param, ckpt, tp, Engine(ckpt, **kw), reference.Engine(ckpt, max_model_len=64)
+
+
+@pytest.mark.parametrize("heads, kv_heads, size", [
+    (4, 4, 2), (8, 2, 2), (8, 2, 4), (8, 2, 8), (4, 1, 4), (12, 3, 6), (16, 8, 4), (6, 6, 3), (8, 4, 8)])
+def test_each_ranks_query_heads_read_its_kv_heads_as_on_one_device(heads, kv_heads, size):
+    """Split (size divides kv_heads) or replicated (kv_heads divides size): local query head j reads local KV
+    head j // local group, which must be the KV head its global query head reads on one device; every query
+    head is on exactly one rank, every KV head on at least one, and the vocabulary slices tile it."""
+    cfg = ModelConfig.from_dict(dict(model_type="llama", vocab_size=383, hidden_size=heads * 8, intermediate_size=64,
+                                     num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                     head_dim=8))
+    ranks = [TensorParallel(r, size, cfg, torch.device("cpu")) for r in range(size)]
+    group = heads // kv_heads
+    for tp in ranks:
+        q, kv = list(tp.q_heads), list(tp.kv_heads)
+        local_group = len(q) // len(kv)
+        assert [kv[j // local_group] for j in range(len(q))] == [h // group for h in q], f"rank {tp.rank}"
+    assert sorted(h for tp in ranks for h in tp.q_heads) == list(range(heads))
+    assert {h for tp in ranks for h in tp.kv_heads} == set(range(kv_heads))
+    assert [v for tp in ranks for v in tp.vocab] == list(range(383))
+    assert all(len(tp.vocab) <= tp.vocab_rows for tp in ranks)
+
+
+def test_each_rank_caches_only_its_kv_heads(case):
+    name, _, tp, one, _ = case
+    cfg = tp.config
+    local = cfg.num_kv_heads // 2 if cfg.num_kv_heads >= 2 else 1
+    assert tp.runner.kv_caches[0][0].shape[2] == local
+    assert one.runner.kv_caches[0][0].shape[2] == cfg.num_kv_heads
+
+
+def test_greedy_tokens_equal_the_reference(case):
+    name, _, tp, _, ref = case
+    prompts = prompts_for(tp.config.vocab_size)
+    got = [o.token_ids for o in tp.generate(prompts, GREEDY, chunk_sizes=CHUNKS)]
+    assert_same_tokens(ref, prompts, got, [o.token_ids for o in ref.generate(prompts, GREEDY)],
+                       f"{name}, tensor_parallel_size=2, page_size=3, chunks {CHUNKS}")
+    assert tp.page_pool.num_free_pages == tp.page_pool.num_pages
+
+
+@pytest.mark.slow
+def test_greedy_tokens_equal_one_rank(case):
+    name, _, tp, one, ref = case
+    prompts = prompts_for(tp.config.vocab_size)
+    assert_same_tokens(ref, prompts, [o.token_ids for o in tp.generate(prompts, GREEDY, chunk_sizes=CHUNKS)],
+                       [o.token_ids for o in one.generate(prompts, GREEDY, chunk_sizes=CHUNKS)],
+                       f"{name}, tensor_parallel_size=2 against 1, page_size=3, chunks {CHUNKS}")
+
+
+def test_prefill_kv_gathers_every_kv_head_once(case):
+    name, _, tp, one, ref = case
+    prompt = prompts_for(tp.config.vocab_size)[2]
+    got = tp.prefill_kv(prompt, chunk_sizes=CHUNKS[2])
+    cfg = tp.config
+    assert got[0].shape == (cfg.num_layers, len(prompt), cfg.num_kv_heads, cfg.head_dim)
+    for against, want in (("tensor_parallel_size=1", one.prefill_kv(prompt, chunk_sizes=CHUNKS[2])),
+                          ("the reference", ref.prefill_kv(prompt))):
+        for kv, a, b in zip("KV", got, want):
+            msg = kv_mismatch(a, b, kv)
+            assert msg is None, f"{name}: {msg} (tensor_parallel_size=2 against {against})"
+

@@ -1,0 +1,142 @@
+"""Tensor parallelism on two GPUs (NCCL, CUDA graphs on): the strict float32 tier against one GPU and the reference,
+the real checkpoints against one GPU, the bf16 tier against the reference, deterministic mode bitwise on two ranks,
+and a worker killed inside a graph-replayed decode step, which must fail the step instead of hanging NCCL.
+Skipped without two CUDA devices.
+
+    PYTHONPATH=$PWD python -m pytest tests/test_tensor_parallel_gpu.py -v -s
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from logprobs_close import MIN_AGREED_SHARE, TOP_K, check_logprobs_close
+from parity_report import assert_same_tokens, kv_mismatch
+from test_tensor_parallel import MODELS, with_random_biases
+from test_tensor_parallel_lifecycle import assert_gone, within
+
+import reference
+from chunkwise.checkpoints import resolve_model, tiny_checkpoint
+from optimized import Engine, SamplingParams
+from optimized.workers import TensorParallelError
+
+pytestmark = [pytest.mark.gpu, pytest.mark.correctness,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
+# The strict tier is float32 end to end (the workers take rank 0's setting).
+torch.backends.cuda.matmul.allow_tf32 = False
+
+QWEN3_0_6B_SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                        max_position_embeddings=40960, tie_word_embeddings=True, initializer_range=0.02)
+GPU_MODELS = {**MODELS, "qwen3-0.6b-shape": ("qwen3", QWEN3_0_6B_SHAPE)}
+KW = dict(page_size=16, max_model_len=512, num_pages=256, max_num_seqs=16)
+NEW_TOKENS = 16
+
+
+def checkpoint(name: str, tmp_path_factory):
+    family, overrides = GPU_MODELS[name]
+    ckpt = tiny_checkpoint(family, seed=0, **overrides)
+    if name in ("mha", "gqa"):   # transformers' zero biases would hide a bias bug
+        ckpt = with_random_biases(ckpt, tmp_path_factory.mktemp("biased") / ckpt.name)
+    return ckpt
+
+
+def workload(name: str):
+    vocab = GPU_MODELS[name][1].get("vocab_size", 384)
+    big = name == "qwen3-0.6b-shape"
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in ([1, 17, 64, 200] if big else
+                                                                                 [1, 5, 17, 40])]
+    chunks = [None, [3, 14], 16, [100, 1, 99]] if big else [None, [2, 3], 4, [16, 1, 23]]
+    return prompts, chunks
+
+
+@pytest.mark.parametrize("name", list(GPU_MODELS))
+def test_float32_tokens_and_kv_equal_one_gpu_and_the_reference(name, tmp_path_factory):
+    ckpt = checkpoint(name, tmp_path_factory)
+    prompts, chunks = workload(name)
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    with Engine(ckpt, dtype="float32", tensor_parallel_size=2, **KW) as tp:
+        replays, replay = [], tp.runner._replay
+        tp.runner._replay = lambda host, d: replays.append(d) or replay(host, d)
+        got = [o.token_ids for o in tp.generate(prompts, params, chunk_sizes=chunks)]
+        kv = tp.prefill_kv(prompts[3], chunk_sizes=chunks[3])
+    assert replays, "no decode step replayed a CUDA graph: the NCCL-in-graph path went untested"
+    one = Engine(ckpt, dtype="float32", **KW)
+    want_one = [o.token_ids for o in one.generate(prompts, params, chunk_sizes=chunks)]
+    kv_one = one.prefill_kv(prompts[3], chunk_sizes=chunks[3])
+    del one
+    ref = reference.Engine(ckpt, dtype="float32", max_model_len=KW["max_model_len"])
+    label = f"{name}, float32, tensor_parallel_size=2"
+    assert_same_tokens(ref, prompts, got, [o.token_ids for o in ref.generate(prompts, params)], label)
+    assert_same_tokens(ref, prompts, got, want_one, label + " against one GPU")
+    for kv_name, a, b in zip("KV", kv, kv_one):
+        msg = kv_mismatch(a.cpu(), b.cpu(), kv_name)
+        assert msg is None, f"{label}: {msg}"
+
+
+@pytest.mark.realmodel
+@pytest.mark.parametrize("name, prompt", [("qwen2.5-coder-0.5b", "def quicksort(arr):"),
+                                          ("gemma3-270m", "The three primary colors are")])
+def test_real_checkpoint_tokens_equal_one_gpu(name, prompt):
+    try:
+        ckpt = resolve_model(name)
+    except (ImportError, ValueError) as exc:
+        pytest.skip(f"{name} is not available here: {exc}")
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    with Engine(ckpt, dtype="float32", tensor_parallel_size=2, **KW) as tp:
+        got = tp.generate([prompt], params, chunk_sizes=[[3, 2]])[0]
+    want = Engine(ckpt, dtype="float32", **KW).generate([prompt], params)[0]
+    print(f"{name}, two GPUs: {prompt!r} -> {got.text!r}")
+    ref = reference.Engine(ckpt, dtype="float32", max_model_len=KW["max_model_len"])
+    assert_same_tokens(ref, [got.prompt_token_ids], [got.token_ids], [want.token_ids],
+                       f"{name}, float32, tensor_parallel_size=2 against one GPU")
+
+
+@pytest.mark.parametrize("name", ["gqa", "gemma3", "qwen3-0.6b-shape"])
+def test_bf16_tokens_agree_with_the_reference_until_a_near_tie(name, tmp_path_factory):
+    """The low-precision tier (tests/test_parity_gpu.py's rule) on two GPUs."""
+    ckpt = checkpoint(name, tmp_path_factory)
+    prompts, chunks = workload(name)
+    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=TOP_K)
+    with Engine(ckpt, dtype="bfloat16", tensor_parallel_size=2, **KW) as tp:
+        got = tp.generate(prompts, params, chunk_sizes=chunks)
+    ref = reference.Engine(ckpt, dtype="bfloat16", max_model_len=KW["max_model_len"]).generate(prompts, params)
+    agreed = [check_logprobs_close(o, r, f"{name} request {i}") for i, (o, r) in enumerate(zip(got, ref))]
+    print(f"{name}, bf16, two GPUs: tokens agreed before a divergence, per request: {agreed} of {params.max_tokens}")
+    assert sum(agreed) >= MIN_AGREED_SHARE * params.max_tokens * len(prompts), \
+        f"{name}: only {agreed} of {params.max_tokens} tokens per request agreed before a divergence"
+
+
+def test_deterministic_bf16_holds_on_two_gpus():
+    """Two ranks sum each element once (the same bits on both ranks and for any message size), so the mode's
+    promise holds with NCCL: tokens and K/V bitwise as the prompt alone gives, under preemption and chunking."""
+    import test_deterministic_gpu as det
+    from deterministic_cases import assert_bitwise, run_case, solo_run
+
+    path = tiny_checkpoint("qwen3")
+    prompts = det.prompts_of(det.TINY_LENS, 384)
+    kw = dict(dtype="bfloat16", max_model_len=det.TINY_LEN, tensor_parallel_size=2)
+    tokens, kv = solo_run(path, prompts, det.TINY_TOKENS, **kw)
+    assert_bitwise(run_case(path, prompts, det.TINY_TIGHT, det.TINY_TOKENS, **kw), det.TINY_TIGHT, tokens, kv)
+
+
+def test_a_worker_killed_inside_a_graph_replayed_decode_fails_the_step_without_a_hang():
+    """Rank 0 replays a decode graph whose NCCL kernels wait for the dead peer; the watcher aborts the
+    communicator, and the step is voided with TensorParallelError, not sampled from what the abort left."""
+    eng = Engine(tiny_checkpoint("qwen3"), dtype="float32", tensor_parallel_size=2, **KW)
+    pid = eng._workers.procs[0].pid
+    replay, calls = eng.runner._replay, []
+
+    def replay_after_the_kill(host, d):
+        calls.append(d)
+        if len(calls) == 3:
+            os.kill(pid, signal.SIGKILL)
+        return replay(host, d)
+    eng.runner._replay = replay_after_the_kill
+    with pytest.raises(TensorParallelError, match=rf"rank 1 \(pid {pid}\) died with exit code -9"):
+        within(120, lambda: eng.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=8, ignore_eos=True)))
+    assert len(calls) == 3
+    assert_gone([pid])
