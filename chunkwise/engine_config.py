@@ -129,8 +129,8 @@ def _resolve_dtype(dtype) -> torch.dtype:
 
 
 def _resolve_device(device) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device is None:   # resolved like an explicit "cuda" (an index: tensor-parallel ranks count from it)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:

@@ -73,6 +73,7 @@ class Engine:
                 workers.join()
                 self.runner = workers.together(None, lambda: ModelRunner(config, weights, workers.tp, workers),
                                                wrap=False)
+                workers.release = self.runner.close
             except BaseException:
                 workers.close()
                 raise

@@ -72,6 +72,7 @@ class Workers:
         self.tp = TensorParallel(0, self.size, config.model_config, rank_device(config, 0))
         self.error: str | None = None      # why the workers were torn down, once a rank failed
         self._joined = self._closed = False
+        self.release = None   # frees rank 0's runner (its CUDA graphs hold NCCL resources) before the group is left
         self.procs, self.conns = [], []
         self.store = dist.TCPStore(HOST, 0, self.size, is_master=True, wait_for_workers=False,
                                    timeout=COLLECTIVE_TIMEOUT)
@@ -213,11 +214,10 @@ class Workers:
                     conn.send_bytes(pickle.dumps(("close", None)))
                 except OSError:
                     pass
+        if self.release is not None:
+            self.release()
         if self._joined:
-            try:
-                dist.destroy_process_group()
-            except Exception:   # a failed NCCL group may refuse; the process is leaving it either way
-                pass
+            _leave_group(self.backend)
         for proc in self.procs:
             proc.join(CLOSE_GRACE_S if graceful else 0)
             if proc.is_alive():
@@ -229,6 +229,28 @@ class Workers:
         for conn in self.conns:
             conn.close()
         self.store = None
+
+
+def _leave_group(backend: str) -> None:
+    """destroy_process_group, after this rank's CUDA graphs are gone (NCCL cannot free a communicator that a
+    captured graph still uses) and its work is done; aborted if it has not returned after CLOSE_GRACE_S, so
+    closing never hangs."""
+    if backend == "nccl":
+        torch.cuda.synchronize()
+    left = threading.Event()
+
+    def leave():
+        try:
+            dist.destroy_process_group()
+        except Exception:   # a failed NCCL group may refuse; the process is leaving it either way
+            pass
+        left.set()
+    threading.Thread(target=leave, name="chunkwise-tp-leave", daemon=True).start()
+    if not left.wait(CLOSE_GRACE_S):
+        try:
+            dist.distributed_c10d._get_default_group().abort()
+        except Exception:
+            pass
 
 
 def _numerics() -> dict:
@@ -270,7 +292,8 @@ def _worker_main(rank: int, config: EngineConfig, port: int, numerics: dict, con
                 runner.kv_at(arg)
             else:
                 break
-        dist.destroy_process_group()
+        runner.close()
+        _leave_group(_backend(device))
     except EOFError:   # rank 0 closed its end of the pipe without "close": it is gone
         os._exit(1)
     except BaseException as exc:
