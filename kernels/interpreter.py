@@ -12,6 +12,7 @@ changed.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 
@@ -28,6 +29,7 @@ def speed_up() -> bool:
         return False
     active: list[frozenset] = []   # per running launch: the language modules its patch covers
 
+    @functools.lru_cache(maxsize=None)   # jit functions live as long as their modules
     def langs(fn) -> frozenset:
         return frozenset(id(v) for v in fn.__globals__.values()
                          if inspect.ismodule(v) and v in (interpreter.tl, interpreter.tl.core))
