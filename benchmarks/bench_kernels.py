@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kernels import paged_attention, split_kv_decode
+from kernels.split_kv import DEFAULT_SPLIT_SIZE, num_splits_for, split_workspace
 from kernels.testing import query_start_loc
 
 pytestmark = pytest.mark.gpu
@@ -64,8 +65,11 @@ def build(case, gen):
 def ours(t, path):
     out = torch.empty_like(t["q"])
     if path == "split":
+        # Scratch made once and reused, as an engine step shares it between its layers.
+        workspace = split_workspace(t["q"].shape[0], HEADS, KV_HEADS, HEAD_DIM,
+                                    num_splits_for(t["block_tables"].shape[1], PAGE, DEFAULT_SPLIT_SIZE), "cuda")
         return lambda: split_kv_decode(t["q"], t["k_cache"], t["v_cache"], t["block_tables"], t["seq_lens"],
-                                       SCALE, out=out)
+                                       SCALE, out=out, workspace=workspace)
     return lambda: paged_attention(t["q"], t["k_cache"], t["v_cache"], t["block_tables"], t["seq_lens"], t["qsl"],
                                    SCALE, out=out)
 

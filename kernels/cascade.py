@@ -6,8 +6,9 @@ lies whole below each one's seq_len, their split-j keys are the same memory. One
 its tiles once and folds it into the rows of every sharing sequence (and their GQA heads), with the tile order
 and per-row arithmetic of split-KV's split kernel; a tile that is fully masked for a row (a window that starts
 later) leaves that row's state bitwise unchanged. The partials it writes are split-KV's, bit for bit; the other
-("own") splits are computed as split-KV computes them, and the same merge folds all splits in the same order,
-so `cascade_decode` equals `split_kv_decode` bitwise, whatever the grouping.
+("own") splits then go through split-KV's own kernel, which starts each sequence at its first own split and
+merges all its splits as split-KV does, so `cascade_decode` equals `split_kv_decode` bitwise, whatever the
+grouping.
 
 Layouts (q, caches, block_tables, seq_lens, partials: as `split_kv_decode`):
     CascadeGroups, CSR over the shared splits (one entry per split that two or more sequences share):
@@ -30,8 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import LOG2E, attend_ref, attend_tiles, gather_kv_ref, pages_per_tile, precision_for
-from kernels.split_kv import DEFAULT_SPLIT_SIZE, _check, merge_splits, merge_splits_ref, split_tile_config
+from kernels.attention_tile import LOG2E, attend_ref, gather_kv_ref, pages_per_tile, precision_for
+from kernels.split_kv import (DEFAULT_SPLIT_SIZE, _check, _split_partial, _workspace_for, check_batch, launch_splits,
+                              merge_splits_ref, split_tile_config)
 
 # A shared-split program packs its members' query heads into split-KV's own tile height (BLOCK_H rows) and
 # launches with the same tile config: on a GPU a taller tile compiles to other MMA instructions, whose rounding
@@ -55,8 +57,12 @@ class CascadeGroups:
         return self.split.shape[0]
 
     def to(self, device) -> CascadeGroups:
-        return CascadeGroups(self.split.to(device), self.starts.to(device), self.members.to(device),
-                             self.shared_splits.to(device), self.max_members, self.split_size)
+        return self.on(self.split.to(device), self.starts.to(device), self.members.to(device),
+                       self.shared_splits.to(device))
+
+    def on(self, split, starts, members, shared_splits) -> CascadeGroups:
+        """The same groups held in other tensors of the same values (e.g. views of one packed upload)."""
+        return CascadeGroups(split, starts, members, shared_splits, self.max_members, self.split_size)
 
 
 def cascade_groups(block_tables, seq_lens, page_size, split_size=DEFAULT_SPLIT_SIZE) -> CascadeGroups:
@@ -154,30 +160,6 @@ def cascade_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, groups, scal
 
 
 @triton.jit
-def _split_partial(
-    q, q_pos, t_start, hi, window, k_cache_ptr, v_cache_ptr, table_ptr, PAGE_SIZE: tl.constexpr, kv_head,
-    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
-):
-    """(o [ROWS, D_PAD], lse [ROWS], natural log, -inf when no key is seen) of rows q over tiles t_start.. of a
-    split ending at hi: the arithmetic of split-KV's split kernel, step for step."""
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, D_PAD], tl.float32)
-    m_i, l_i, acc = attend_tiles(
-        q, q_pos, m_i, l_i, acc, t_start, tl.cdiv(hi, BLOCK_N), hi, window,
-        k_cache_ptr, v_cache_ptr, table_ptr, PAGE_SIZE, kv_head,
-        stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
-        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True, PAGES_PER_TILE,
-    )
-    empty = l_i == 0.0
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
-    return o, lse
-
-
-@triton.jit
 def _shared_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, partial_out_ptr, partial_lse_ptr, block_tables_ptr, seq_lens_ptr,
     split_ptr, starts_ptr, members_ptr, qk_scale, window, split_size,
@@ -223,85 +205,39 @@ def _shared_split_kernel(
         tl.store(partial_lse_ptr + s * stride_ls + head * stride_lh + split, lse, mask=row_ok)
 
 
-@triton.jit
-def _own_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, partial_out_ptr, partial_lse_ptr, block_tables_ptr, seq_lens_ptr,
-    shared_splits_ptr, qk_scale, window, split_size,
-    stride_qs, stride_qh, stride_bt, stride_ps, stride_ph, stride_pj, stride_ls, stride_lh,
-    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    PAGES_PER_TILE: tl.constexpr,
-):
-    """Split-KV's split kernel for the splits of sequence s (axis 1) from shared_splits[s] on."""
-    kv_head = tl.program_id(0)
-    s = tl.program_id(1)
-    split = tl.program_id(2)
-    if split >= tl.load(shared_splits_ptr + s):
-        seq_len = tl.load(seq_lens_ptr + s)
-        rows = tl.arange(0, BLOCK_H)
-        row_ok = rows < GROUP
-        head = kv_head * GROUP + rows
-        d = tl.arange(0, D_PAD)
-        d_ok = d < HEAD_DIM
-        q = tl.load(q_ptr + s * stride_qs + head[:, None] * stride_qh + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        lo = split * split_size
-        hi = tl.minimum(lo + split_size, seq_len)
-        if USE_WINDOW:
-            lo = tl.maximum(lo, seq_len - window)
-        o, lse = _split_partial(
-            q, tl.zeros([BLOCK_H], tl.int32) + seq_len - 1, lo // BLOCK_N, hi, window, k_cache_ptr, v_cache_ptr,
-            block_tables_ptr + s.to(tl.int64) * stride_bt, PAGE_SIZE, kv_head,
-            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
-            HEAD_DIM, D_PAD, BLOCK_H, BLOCK_N, USE_WINDOW, PRECISION, PAGES_PER_TILE,
-        )
-        tl.store(partial_out_ptr + s * stride_ps + head[:, None] * stride_ph + split * stride_pj + d[None, :], o,
-                 mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(partial_lse_ptr + s * stride_ls + head * stride_lh + split, lse, mask=row_ok)
-
-
 def cascade_decode(q, k_cache, v_cache, block_tables, seq_lens, groups, scale, sliding_window=None,
-                   split_size=DEFAULT_SPLIT_SIZE, out=None):
+                   split_size=DEFAULT_SPLIT_SIZE, out=None, workspace=None):
     """`split_kv_decode` with the splits in `groups` (from `cascade_groups` over these block tables and
-    seq_lens, moved to q's device) read once per shared split; bitwise the same result. Returns out."""
+    seq_lens, moved to q's device) read once per shared split; bitwise the same result. Returns out.
+    `workspace`: as split_kv_decode's."""
     _check(q, k_cache, v_cache, block_tables, seq_lens, sliding_window, split_size)
     _check_groups(groups, q, split_size)
-    num_seqs, num_heads, head_dim = q.shape
-    if num_seqs > 65535:  # sequences are the own-split grid's second axis, which CUDA caps at 65535
-        raise ValueError(f"cascade_decode serves at most 65535 sequences per call, got {num_seqs}")
+    check_batch(q, out, "cascade_decode")
+    workspace = _workspace_for(q, k_cache, block_tables, split_size, workspace)
     out = torch.empty_like(q) if out is None else out
+    num_seqs, num_heads, head_dim = q.shape
     if num_seqs == 0:
         return out
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     block_h, block_n, num_warps, num_stages = split_tile_config(head_dim, group)
-    num_splits = triton.cdiv(block_tables.shape[1] * page_size, split_size)
-    partial_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
-    partial_lse = torch.empty(num_seqs, num_heads, num_splits, device=q.device, dtype=torch.float32)
-    common = (
-        scale * LOG2E, sliding_window or 0, split_size,
-        q.stride(0), q.stride(1), block_tables.stride(0),
-        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
-        partial_lse.stride(0), partial_lse.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-    )
-    constants = dict(
-        PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_N=block_n, USE_WINDOW=sliding_window is not None, PRECISION=precision_for(q.dtype),
-        PAGES_PER_TILE=pages_per_tile(page_size, block_n),
-        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
-    )
+    partial_out, partial_lse = workspace.partial_out, workspace.partial_lse
     if groups.num_shared:
         members = max(1, block_h // group)
         _shared_split_kernel[(groups.num_shared, num_kv_heads, triton.cdiv(groups.max_members, members))](
             q, k_cache, v_cache, partial_out, partial_lse, block_tables, seq_lens,
-            groups.split, groups.starts, groups.members, *common,
-            MEMBERS=members, BLOCK_M=block_h, **constants,
+            groups.split, groups.starts, groups.members, scale * LOG2E, sliding_window or 0, split_size,
+            q.stride(0), q.stride(1), block_tables.stride(0),
+            partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+            partial_lse.stride(0), partial_lse.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            PAGE_SIZE=page_size, GROUP=group, MEMBERS=members, HEAD_DIM=head_dim,
+            D_PAD=triton.next_power_of_2(head_dim), BLOCK_M=block_h, BLOCK_N=block_n,
+            USE_WINDOW=sliding_window is not None, PRECISION=precision_for(q.dtype),
+            PAGES_PER_TILE=pages_per_tile(page_size, block_n),
+            num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
         )
-    _own_split_kernel[(num_kv_heads, num_seqs, num_splits)](
-        q, k_cache, v_cache, partial_out, partial_lse, block_tables, seq_lens, groups.shared_splits, *common,
-        BLOCK_H=block_h, **constants,
-    )
-    return merge_splits(partial_out, partial_lse, out)
+    # The own splits, and the merge of every split, by split-KV's kernel (after the shared splits: same stream).
+    return launch_splits(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, split_size, out,
+                         workspace, start_split=groups.shared_splits)

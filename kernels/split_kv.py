@@ -1,16 +1,24 @@
-"""Split-KV (flash-decoding) attention for decodes: one query per sequence, the KV split at fixed positions.
+"""Split-KV (flash-decoding) attention for decodes: one query per sequence, the KV split at fixed positions,
+the splits merged by log-sum-exp in the same launch.
 
 Layouts:
     q, out:             [num_seqs, num_heads, head_dim] (one decode query per sequence, at position seq_lens[s] - 1)
     k_cache, v_cache:   [num_pages, page_size, num_kv_heads, head_dim]
     block_tables:       int32 [num_seqs, max_pages_per_seq];  seq_lens: int32 [num_seqs]
-    partial_out:        float32 [num_seqs, num_heads, num_splits, head_dim]
-    partial_lse:        float32 [num_seqs, num_heads, num_splits] (natural log; -inf for a split with no key)
+    partial_out:        float32 [num_seqs, num_heads, num_splits, head_dim] (scratch)
+    partial_lse:        float32 [num_seqs, num_heads, num_splits] (scratch; natural log, -inf for no visible key)
+    arrivals:           int32 [num_seqs, num_kv_heads] (scratch, zero at launch; each launch leaves it zero)
 Split j covers positions [j * split_size, (j + 1) * split_size): a fixed size in tokens, not a fixed count,
 so a sequence's splits (and its result) do not depend on the batch, page size or block-table width.
-num_splits = cdiv(max_pages_per_seq * page_size, split_size), known without reading seq_lens back.
+The grid has cdiv(max_pages_per_seq * page_size, split_size) splits per sequence, known without reading seq_lens
+back (and fixed, as a captured CUDA graph needs); a program whose split holds no key its query sees (past the
+sequence's end, or before its window) returns at once. Each program that computes a split counts its arrival
+on its (sequence, KV head); the last to arrive merges that sequence's splits, in split order, into out. So the
+merge reads only the sequence's own splits and takes no second launch, and a sequence's bits depend on its
+own splits alone, never on the grid size or its batch-mates.
 """
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -40,59 +48,13 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, sliding_window, split_si
 
 
 def merge_splits_ref(partial_out, partial_lse, out):
-    """PyTorch twin of `merge_splits`: softmax-weighted sum of the partials; empty splits weigh 0."""
+    """PyTorch twin of the split kernel's merge: softmax-weighted sum of the partials; empty splits weigh 0."""
     m = partial_lse.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     w = torch.exp(partial_lse - m)
     total = w.sum(dim=-1, keepdim=True)
     merged = (w[..., None] * partial_out).sum(dim=-2) / torch.where(total > 0, total, torch.ones_like(total))
     out.copy_(merged.to(out.dtype))
-    return out
-
-
-@triton.jit
-def _merge_kernel(
-    partial_out_ptr, partial_lse_ptr, out_ptr, num_splits,
-    stride_ps, stride_ph, stride_pj, stride_ls, stride_lh, stride_os, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-):
-    s = tl.program_id(0)
-    h = tl.program_id(1)
-    lse_row = partial_lse_ptr + s * stride_ls + h * stride_lh
-    m = float("-inf")
-    for j in range(num_splits):
-        m = tl.maximum(m, tl.load(lse_row + j))
-    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: every weight is 0, not NaN
-    d = tl.arange(0, D_PAD)
-    d_ok = d < HEAD_DIM
-    acc = tl.zeros([D_PAD], tl.float32)
-    total = 0.0
-    # Splits are folded in order; an empty split adds exactly 0, so trailing empty splits change nothing.
-    for j in range(num_splits):
-        w = tl.exp(tl.load(lse_row + j) - m)
-        o = tl.load(partial_out_ptr + s * stride_ps + h * stride_ph + j * stride_pj + d, mask=d_ok, other=0.0)
-        acc += w * o
-        total += w
-    total = tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + s * stride_os + h * stride_oh + d, cast(acc / total, out_ptr.dtype.element_ty), mask=d_ok)
-
-
-def merge_splits(partial_out, partial_lse, out):
-    """Merge per-split partial outputs by their log-sum-exp into out [num_seqs, num_heads, head_dim]."""
-    num_seqs, num_heads, num_splits, head_dim = partial_out.shape
-    if partial_lse.shape != partial_out.shape[:3] or out.shape != (num_seqs, num_heads, head_dim):
-        raise ValueError(f"partial_out {tuple(partial_out.shape)}, partial_lse {tuple(partial_lse.shape)} and "
-                         f"out {tuple(out.shape)} disagree")
-    if partial_out.stride(3) != 1 or out.stride(2) != 1:
-        raise ValueError("merge_splits needs head_dim contiguous")
-    if num_seqs * num_heads == 0:
-        return out
-    _merge_kernel[(num_seqs, num_heads)](
-        partial_out, partial_lse, out, num_splits,
-        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
-        partial_lse.stride(0), partial_lse.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), enable_fp_fusion=False,
-    )
     return out
 
 
@@ -126,81 +88,222 @@ def split_kv_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, slid
     return merge_splits_ref(*partials, out)
 
 
+
+
 @triton.jit
-def _split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, partial_out_ptr, partial_lse_ptr, block_tables_ptr, seq_lens_ptr,
-    qk_scale, window, split_size,
-    stride_qs, stride_qh, stride_bt, stride_ps, stride_ph, stride_pj, stride_ls, stride_lh,
-    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
+def _split_partial(
+    q, q_pos, t_start, hi, window, k_cache_ptr, v_cache_ptr, table_ptr, PAGE_SIZE: tl.constexpr, kv_head,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
 ):
-    kv_head = tl.program_id(0)
-    s = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + s)
-    rows = tl.arange(0, BLOCK_H)
-    row_ok = rows < GROUP
-    head = kv_head * GROUP + rows
-    d = tl.arange(0, D_PAD)
-    d_ok = d < HEAD_DIM
-    q_pos = tl.zeros([BLOCK_H], tl.int32) + seq_len - 1
-    q = tl.load(q_ptr + s * stride_qs + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    lo = split * split_size
-    hi = tl.minimum(lo + split_size, seq_len)
-    if USE_WINDOW:
-        lo = tl.maximum(lo, seq_len - window)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_PAD], tl.float32)
-    # Tiles stay at absolute multiples of BLOCK_N (split_size is one), whatever the window start.
+    """(o [ROWS, D_PAD], lse [ROWS], natural log, -inf when no key is seen) of rows q at positions q_pos over
+    tiles t_start.. of a split ending at hi. The one split step of split-KV, and of cascade's shared splits."""
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D_PAD], tl.float32)
     m_i, l_i, acc = attend_tiles(
-        q, q_pos, m_i, l_i, acc, lo // BLOCK_N, tl.cdiv(hi, BLOCK_N), hi, window,
-        k_cache_ptr, v_cache_ptr, block_tables_ptr + s.to(tl.int64) * stride_bt, PAGE_SIZE, kv_head,
+        q, q_pos, m_i, l_i, acc, t_start, tl.cdiv(hi, BLOCK_N), hi, window,
+        k_cache_ptr, v_cache_ptr, table_ptr, PAGE_SIZE, kv_head,
         stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
         HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True, PAGES_PER_TILE,
     )
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
-    tl.store(partial_out_ptr + s * stride_ps + head[:, None] * stride_ph + split * stride_pj + d[None, :], o,
-             mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(partial_lse_ptr + s * stride_ls + head * stride_lh + split, lse, mask=row_ok)
+    return o, lse
 
 
-def split_kv_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None,
-                    split_size=DEFAULT_SPLIT_SIZE, out=None):
-    """Decode attention with the KV split every split_size positions, then merged; returns out."""
-    _check(q, k_cache, v_cache, block_tables, seq_lens, sliding_window, split_size)
+@triton.jit
+def _merge(
+    partial_out_ptr, partial_lse_ptr, out_ptr, s, head, row_ok, first, last,
+    stride_ps, stride_ph, stride_pj, stride_ls, stride_lh, stride_os, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, ROWS: tl.constexpr, MAX_CHUNK: tl.constexpr = 64,
+):
+    """out[s, head] = the softmax-weighted sum of splits first..last-1 of rows `head` (merge_splits_ref's sums).
+    Loads bypass L1 (.cg): other programs wrote the partials. The merge runs after the sequence's last split, at
+    the end of the launch for the last sequences, so its loads are batched: the LSEs MAX_CHUNK splits at a time
+    (an elementwise max in the loop, reduced after it: Triton 3.6 fails to compile a reduction carried by the loop)."""
+    d = tl.arange(0, D_PAD)
+    mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
+    lse_rows = partial_lse_ptr + s * stride_ls + head * stride_lh
+    out_rows = partial_out_ptr + s * stride_ps + head[:, None] * stride_ph + d[None, :]
+    m_chunk = tl.full([ROWS, MAX_CHUNK], float("-inf"), tl.float32)
+    for c in range(first, last, MAX_CHUNK):
+        j = c + tl.arange(0, MAX_CHUNK)
+        lse = tl.load(lse_rows[:, None] + j[None, :], mask=row_ok[:, None] & (j < last)[None, :], other=float("-inf"),
+                      cache_modifier=".cg")
+        m_chunk = tl.maximum(m_chunk, lse)
+    m = tl.max(m_chunk, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no key at all (seq_len 0): every weight is 0, not NaN
+    acc = tl.zeros([ROWS, D_PAD], tl.float32)
+    total = tl.zeros([ROWS], tl.float32)
+    # Unrolled so several splits' loads are in flight at once; the sums still run in split order.
+    for j in tl.range(first, last, loop_unroll_factor=8):
+        w = tl.exp(tl.load(lse_rows + j, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m)
+        acc += w[:, None] * tl.load(out_rows + j * stride_pj, mask=mask, other=0.0, cache_modifier=".cg")
+        total += w
+    total = tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + s * stride_os + head[:, None] * stride_oh + d[None, :],
+             cast(acc / total[:, None], out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr,              # [num_seqs, num_heads, head_dim]
+    k_cache_ptr,        # [num_pages, page_size, num_kv_heads, head_dim]
+    v_cache_ptr,        # [num_pages, page_size, num_kv_heads, head_dim]
+    out_ptr,            # [num_seqs, num_heads, head_dim]
+    partial_out_ptr,    # float32 [num_seqs, num_heads, num_splits, head_dim]
+    partial_lse_ptr,    # float32 [num_seqs, num_heads, num_splits]
+    arrivals_ptr,       # int32 [num_seqs, num_kv_heads], zero at launch and left zero
+    block_tables_ptr,   # int32 [num_seqs, max_pages_per_seq]
+    seq_lens_ptr,       # int32 [num_seqs]
+    start_split_ptr,    # int32 [num_seqs] when HAS_START: splits before it hold partials written already
+    qk_scale, window, split_size,
+    stride_qs, stride_qh, stride_os, stride_oh, stride_bt, stride_ps, stride_ph, stride_pj, stride_ls, stride_lh,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    PAGES_PER_TILE: tl.constexpr, HAS_START: tl.constexpr,
+):
+    """KV head (axis 0) of split j (axis 1) of sequence s (axis 2): the split's partials, and the merge of all
+    the sequence's splits by whichever of its programs arrives last."""
+    kv_head = tl.program_id(0)
+    split = tl.program_id(1)
+    s = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + s)
+    last = tl.maximum(tl.cdiv(seq_len, split_size), 1)  # splits 0..last-1 hold the sequence (one if it is empty)
+    first = 0   # the first split holding a key the query sees
+    if USE_WINDOW:
+        first = tl.maximum(seq_len - window, 0) // split_size
+    start = first
+    if HAS_START:
+        start = tl.maximum(first, tl.load(start_split_ptr + s))
+    # The programs of splits lead..last-1 take part; when every split was written already (start == last),
+    # the program of the last split computes nothing and only merges.
+    lead = tl.minimum(start, last - 1)
+    if (split >= lead) & (split < last):
+        rows = tl.arange(0, BLOCK_H)
+        row_ok = rows < GROUP
+        head = kv_head * GROUP + rows
+        if split >= start:
+            d = tl.arange(0, D_PAD)
+            d_ok = d < HEAD_DIM
+            q = tl.load(q_ptr + s * stride_qs + head[:, None] * stride_qh + d[None, :],
+                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            lo = split * split_size
+            hi = tl.minimum(lo + split_size, seq_len)
+            if USE_WINDOW:
+                lo = tl.maximum(lo, seq_len - window)
+            # Tiles stay at absolute multiples of BLOCK_N (split_size is one), whatever the window start.
+            o, lse = _split_partial(
+                q, tl.zeros([BLOCK_H], tl.int32) + seq_len - 1, lo // BLOCK_N, hi, window, k_cache_ptr, v_cache_ptr,
+                block_tables_ptr + s.to(tl.int64) * stride_bt, PAGE_SIZE, kv_head,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
+                HEAD_DIM, D_PAD, BLOCK_H, BLOCK_N, USE_WINDOW, PRECISION, PAGES_PER_TILE,
+            )
+            tl.store(partial_out_ptr + s * stride_ps + head[:, None] * stride_ph + split * stride_pj + d[None, :], o,
+                     mask=row_ok[:, None] & d_ok[None, :])
+            tl.store(partial_lse_ptr + s * stride_ls + head * stride_lh + split, lse, mask=row_ok)
+        # Every thread's stores precede the arrival (barrier), which releases them to the merging program.
+        tl.debug_barrier()
+        arrival = arrivals_ptr + s * tl.num_programs(0) + kv_head
+        arrived = tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu")
+        if arrived == last - lead - 1:
+            tl.store(arrival, 0)  # every program of this (sequence, KV head) has arrived: ready for the next launch
+            _merge(partial_out_ptr, partial_lse_ptr, out_ptr, s, head, row_ok, first, last,
+                   stride_ps, stride_ph, stride_pj, stride_ls, stride_lh, stride_os, stride_oh,
+                   HEAD_DIM, D_PAD, BLOCK_H)
+
+
+@dataclass(frozen=True)
+class SplitWorkspace:
+    """The split kernel's scratch for a batch (layouts above). One launch after another on a stream may share
+    it (each launch leaves the arrivals zero): an engine step makes one for all its layers."""
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+    arrivals: torch.Tensor
+
+
+def split_workspace(num_seqs, num_heads, num_kv_heads, head_dim, num_splits, device) -> SplitWorkspace:
+    """A fresh SplitWorkspace; num_splits = num_splits_for(block tables' width, page_size, split_size)."""
+    return SplitWorkspace(torch.empty(num_seqs, num_heads, num_splits, head_dim, device=device, dtype=torch.float32),
+                          torch.empty(num_seqs, num_heads, num_splits, device=device, dtype=torch.float32),
+                          torch.zeros(num_seqs, num_kv_heads, device=device, dtype=torch.int32))
+
+
+def num_splits_for(max_pages_per_seq, page_size, split_size):
+    """Splits per sequence in the grid: enough for a sequence filling its block-table row."""
+    return triton.cdiv(max_pages_per_seq * page_size, split_size)
+
+
+def _workspace_for(q, k_cache, block_tables, split_size, workspace):
+    """`workspace` checked against the batch, or a fresh one."""
     num_seqs, num_heads, head_dim = q.shape
-    group = num_heads // k_cache.shape[2]
-    if num_seqs > 65535:  # sequences are the launch grid's second axis, which CUDA caps at 65535
-        raise ValueError(f"split_kv_decode serves at most 65535 sequences per call, got {num_seqs}")
-    out = torch.empty_like(q) if out is None else out
-    if num_seqs == 0:
-        return out
-    num_kv_heads = k_cache.shape[2]
+    shape = (num_seqs, num_heads, num_splits_for(block_tables.shape[1], k_cache.shape[1], split_size), head_dim)
+    if workspace is None:
+        return split_workspace(*shape[:2], k_cache.shape[2], head_dim, shape[2], q.device)
+    if not isinstance(workspace, SplitWorkspace):
+        raise TypeError(f"workspace must be a SplitWorkspace (from split_workspace), got {type(workspace).__name__}")
+    want = {"partial_out": (shape, torch.float32), "partial_lse": (shape[:3], torch.float32),
+            "arrivals": ((num_seqs, k_cache.shape[2]), torch.int32)}
+    for name, (size, dtype) in want.items():
+        t = getattr(workspace, name)
+        if t.shape != size or t.dtype != dtype or t.device != q.device or not t.is_contiguous():
+            raise ValueError(f"workspace.{name} must be contiguous {dtype} {size} on {q.device} for this batch, "
+                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+    return workspace
+
+
+def launch_splits(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, split_size, out, workspace,
+                  start_split=None):
+    """The split kernel over every sequence's splits from start_split[s] (int32 [num_seqs]; None: 0) on, merged
+    into out with the partials already in `workspace` for the splits before it. Arguments as checked by _check
+    and _workspace_for."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
     block_h, block_n, num_warps, num_stages = split_tile_config(head_dim, group)
-    num_splits = triton.cdiv(block_tables.shape[1] * k_cache.shape[1], split_size)
-    partial_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
-    partial_lse = torch.empty(num_seqs, num_heads, num_splits, device=q.device, dtype=torch.float32)
+    partial_out, partial_lse, arrivals = workspace.partial_out, workspace.partial_lse, workspace.arrivals
     # KV heads vary fastest across programs, so the programs that run together read all heads of the same
-    # positions: each position's heads are one contiguous run of the cache (DRAM locality; same math).
-    _split_kernel[(num_kv_heads, num_seqs, num_splits)](
-        q, k_cache, v_cache, partial_out, partial_lse, block_tables, seq_lens,
+    # positions: each position's heads are one contiguous run of the cache (DRAM locality; same math). Then
+    # splits, then sequences: a sequence's programs run close together, so most merges overlap other work.
+    _split_kernel[(num_kv_heads, partial_out.shape[2], num_seqs)](
+        q, k_cache, v_cache, out, partial_out, partial_lse, arrivals, block_tables, seq_lens, start_split,
         scale * LOG2E, sliding_window or 0, split_size,
-        q.stride(0), q.stride(1), block_tables.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        PAGE_SIZE=k_cache.shape[1], GROUP=group, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+        PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
         BLOCK_H=block_h, BLOCK_N=block_n, USE_WINDOW=sliding_window is not None,
         PRECISION=precision_for(q.dtype),
         # Page ids loaded once per tile: 2-3% faster decode on an H200 (page 16, 64-key tiles).
-        PAGES_PER_TILE=pages_per_tile(k_cache.shape[1], block_n),
+        PAGES_PER_TILE=pages_per_tile(page_size, block_n), HAS_START=start_split is not None,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
     )
-    return merge_splits(partial_out, partial_lse, out)
+    return out
+
+
+def check_batch(q, out, what):
+    """The grid's sequence-axis limit and out's layout, for `what` (the calling function's name)."""
+    if q.shape[0] > 65535:  # sequences are the launch grid's third axis, which CUDA caps at 65535
+        raise ValueError(f"{what} serves at most 65535 sequences per call, got {q.shape[0]}")
+    if out is not None and (out.shape != q.shape or out.stride(2) != 1):
+        raise ValueError(f"out must be {tuple(q.shape)} with head_dim contiguous, got {tuple(out.shape)}")
+
+
+def split_kv_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None,
+                    split_size=DEFAULT_SPLIT_SIZE, out=None, workspace=None):
+    """Decode attention with the KV split every split_size positions, then merged; returns out. `workspace`
+    (a SplitWorkspace for this batch) saves allocating and zeroing the scratch on every call."""
+    _check(q, k_cache, v_cache, block_tables, seq_lens, sliding_window, split_size)
+    check_batch(q, out, "split_kv_decode")
+    workspace = _workspace_for(q, k_cache, block_tables, split_size, workspace)
+    out = torch.empty_like(q) if out is None else out
+    if q.shape[0] == 0:
+        return out
+    return launch_splits(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, split_size, out,
+                         workspace)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from chunkwise.config import ModelConfig
 from kernels import (CascadeGroups, act_and_mul, add_rms_norm, cascade_decode, matmul, paged_attention, rms_norm,
                      rope_cos_sin, rope_store, split_kv_decode)
-from kernels.split_kv import DEFAULT_SPLIT_SIZE
+from kernels.split_kv import DEFAULT_SPLIT_SIZE, SplitWorkspace, num_splits_for, split_workspace
 from optimized.tensor_parallel import TensorParallel
 
 
@@ -115,12 +115,14 @@ class Model:
         # Deterministic mode: decodes go through paged_attention as one-token sequences.
         decode_qsl = (torch.arange(inp.decode_seq_lens.shape[0] + 1, dtype=torch.int32, device=h.device)
                       if self.deterministic else None)
+        split_decodes = decode_qsl is None and inp.decode_seq_lens.shape[0] > 0
+        workspace = self._split_workspace(inp, kv_caches[0][0]) if split_decodes else None
         # A sublayer's output h joins the residual stream inside the next norm's kernel. Gemma normalizes h
         # first (post-attention / post-FF norm): that norm (`pending` for the post-FF one) goes in the same kernel.
         residual, pending = None, None
         for i, lw in enumerate(self.layers):
             x, residual = self._add_norm(h, residual, lw["input_norm"], pending)
-            h = self._attention(i, lw, x, inp, kv_caches[i], rope[self.rope_index[i]], decode_qsl)
+            h = self._attention(i, lw, x, inp, kv_caches[i], rope[self.rope_index[i]], decode_qsl, workspace)
             if self.cfg.sandwich_norms:
                 x, residual = self._add_norm(h, residual, lw["pre_ff_norm"], lw["post_attn_norm"])
                 pending = lw["post_ff_norm"]
@@ -143,6 +145,14 @@ class Model:
         h = F.embedding(torch.where(inside, local, 0), self.embed)
         return self.tp.all_reduce(h.masked_fill_(~inside[:, None], 0))
 
+    def _split_workspace(self, inp: StepInputs, k_cache: torch.Tensor) -> SplitWorkspace:
+        """The split-KV decodes' scratch, made once per step and shared by every layer (one stream)."""
+        cfg, tables = self.cfg, inp.decode_block_tables
+        heads, kv_heads = ((len(self.tp.q_heads), len(self.tp.kv_heads)) if self.tp is not None
+                           else (cfg.num_heads, cfg.num_kv_heads))   # this rank's
+        return split_workspace(tables.shape[0], heads, kv_heads, cfg.head_dim,
+                               num_splits_for(tables.shape[1], k_cache.shape[1], self.split_size), tables.device)
+
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x @ w.T for a weight w [out, in]: batch-invariant in deterministic mode, torch's BLAS otherwise."""
         return matmul(x, w) if self.deterministic else x @ w.t()
@@ -152,7 +162,7 @@ class Model:
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def _attention(self, i: int, lw: dict, x: torch.Tensor, inp: StepInputs, kv, rope,
-                   decode_qsl: torch.Tensor | None) -> torch.Tensor:
+                   decode_qsl: torch.Tensor | None, workspace: SplitWorkspace | None) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]
         k_cache, v_cache = kv
         cos, sin = rope
@@ -168,10 +178,12 @@ class Model:
                             cfg.attn_scale, sliding_window=window, out=out[p:])
         elif p < t and inp.cascade is not None:
             cascade_decode(q[p:], k_cache, v_cache, inp.decode_block_tables, inp.decode_seq_lens, inp.cascade,
-                           cfg.attn_scale, sliding_window=window, split_size=self.split_size, out=out[p:])
+                           cfg.attn_scale, sliding_window=window, split_size=self.split_size, out=out[p:],
+                           workspace=workspace)
         elif p < t:
             split_kv_decode(q[p:], k_cache, v_cache, inp.decode_block_tables, inp.decode_seq_lens,
-                            cfg.attn_scale, sliding_window=window, split_size=self.split_size, out=out[p:])
+                            cfg.attn_scale, sliding_window=window, split_size=self.split_size, out=out[p:],
+                            workspace=workspace)
         out = self._linear(out.reshape(t, -1), lw["o"])
         if self.tp is not None:
             self.tp.all_reduce(out)

@@ -199,13 +199,16 @@ class ModelRunner:
         p = host.num_prefill
         (ids, pos, slots, logits, prows, drows), d64 = self._packed(
             [host.ids, host.positions, host.slots, host.logits_indices, host.rows[:p], host.rows[p:]], torch.int64)
-        (lens, dlens, qsl), _ = self._packed([host.seq_lens[:p], host.seq_lens[p:], host.query_start_loc],
-                                             torch.int32)
+        groups = host.cascade
+        (lens, dlens, qsl, *group_tensors), _ = self._packed(
+            [host.seq_lens[:p], host.seq_lens[p:], host.query_start_loc]
+            + ([groups.split, groups.starts, groups.members, groups.shared_splits] if groups is not None else []),
+            torch.int32)
         return StepInputs(input_ids=ids, positions=pos, slot_mapping=slots,
                           block_tables=self.tables.table.index_select(0, prows), seq_lens=lens,
                           query_start_loc=qsl, decode_block_tables=self.tables.table.index_select(0, drows),
                           decode_seq_lens=dlens, logits_indices=logits,
-                          cascade=host.cascade.to(self.device) if host.cascade is not None else None)
+                          cascade=groups.on(*group_tensors) if groups is not None else None)
 
     def _packed(self, arrays, dtype):
         """Device views of `arrays` packed into one buffer (one host-to-device copy); each view starts

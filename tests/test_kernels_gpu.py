@@ -8,7 +8,8 @@ element, ~2-3e-3 in norm; bound 1e-2).
 import pytest
 import torch
 
-from kernels import paged_attention, paged_attention_ref, split_kv_decode, split_kv_decode_ref, store_kv, store_kv_ref
+from kernels import (cascade_decode, cascade_groups, paged_attention, paged_attention_ref, split_kv_decode,
+                     split_kv_decode_ref, store_kv, store_kv_ref)
 from kernels.testing import paginate, query_start_loc, random_kv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.correctness]
@@ -105,6 +106,43 @@ def test_split_kv_decode_is_bitwise_invariant_at_long_context(dtype):
     q_b[1] = q[0]
     out = split_kv_decode(q_b, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.1)
     assert torch.equal(out[1:2], alone_out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 1000])
+def test_split_kv_merge_is_race_free_and_cascade_is_bitwise_split_kv_at_production_size(dtype, window):
+    """48 decodes, 40 of them on one cached 4096-token prefix (8 shared splits), own suffixes of 1..1200
+    tokens, in a table 8192 tokens wide: every run of split-KV gives the same bits (the last-arriving program
+    merges, whatever the arrival order), and cascade gives split-KV's bits."""
+    gen = torch.Generator().manual_seed(6)
+    suffix = torch.randint(1, 1201, (48,), generator=gen).tolist()
+    prefix = random_kv(4096, 8, 128, dtype, gen, "cuda")
+    pool = paginate([prefix] + [random_kv(n, 8, 128, dtype, gen, "cuda") for n in suffix + [992] * 8], 16, gen)
+    table = torch.zeros(48, 512, dtype=torch.int32, device="cuda")
+    lens = []
+    for s, n in enumerate(suffix):
+        own = pool.block_tables[1 + s, :-(-n // 16)]
+        if s < 40:   # the prefix's pages, then the sequence's own (its suffix starts on a page boundary)
+            table[s, :256 + len(own)] = torch.cat([pool.block_tables[0, :256], own])
+            lens.append(4096 + n)
+        else:        # no partner: a sequence of its own, 992 tokens (62 pages) before its suffix
+            mine = torch.cat([pool.block_tables[9 + s, :62], own])
+            table[s, :len(mine)] = mine
+            lens.append(992 + n)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(48, 32, 128, generator=gen).to(dtype).cuda()
+    args = (q, pool.k_cache, pool.v_cache, table, seq_lens)
+    runs = [split_kv_decode(*args, 128 ** -0.5, sliding_window=window, out=torch.full_like(q, float("nan")))
+            for _ in range(10)]
+    groups = cascade_groups(table.cpu(), seq_lens.cpu(), 16, 512).to("cuda")
+    cascade = cascade_decode(*args, groups, 128 ** -0.5, sliding_window=window, out=torch.full_like(q, float("nan")))
+
+    assert groups.num_shared == 8
+    assert not runs[0].isnan().any()
+    assert all(torch.equal(r, runs[0]) for r in runs[1:])
+    assert torch.equal(cascade, runs[0])
+    ref = split_kv_decode_ref(q.float(), *args[1:], 128 ** -0.5, sliding_window=window)
+    assert _rel_err(runs[0], ref) < REL_BOUND[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

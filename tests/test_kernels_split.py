@@ -1,12 +1,11 @@
-"""Split-KV decode and its merge: against the references, against the single-pass kernel, and invariance."""
-import math
-
+"""Split-KV decode and its in-kernel merge: against the references, against the single-pass kernel, invariance."""
 import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kernels import merge_splits, merge_splits_ref, paged_attention, split_kv_decode, split_kv_decode_ref
+from kernels import paged_attention, split_kv_decode, split_kv_decode_ref
+from kernels.split_kv import num_splits_for, split_workspace
 from kernels.testing import DTYPES, TOLERANCE, paginate, query_start_loc, random_kv, rising_scores
 
 pytestmark = pytest.mark.correctness
@@ -75,20 +74,25 @@ def test_split_kv_decode_matches_reference_and_single_pass(
 
 @given(data=st.data())
 @MORE
-def test_split_kv_decode_is_bitwise_invariant_to_page_size_permutation_table_width_and_batch(data, device):
+def test_split_kv_decode_is_bitwise_invariant_to_page_size_permutation_grid_and_batch(data, device):
+    """A sequence's bits alone and in a batch, under other page sizes and a wider block table: wider tables
+    launch more (empty) split programs, and batch-mates that run longer or shorter finish their merges
+    before or after it."""
     num_heads, num_kv_heads = data.draw(st.sampled_from(HEADS), label="heads")
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     window = data.draw(st.none() | st.integers(1, 150), label="window")
     length = data.draw(st.integers(1, 200), label="length")
     page_a, page_b = data.draw(st.integers(1, 64), label="page_a"), data.draw(st.integers(1, 64), label="page_b")
     mates = data.draw(st.lists(st.integers(1, 200), min_size=1, max_size=2), label="mates")
+    extra_splits = data.draw(st.integers(0, 3), label="extra_splits")  # table columns past the longest sequence
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
     kv = random_kv(length, num_kv_heads, 64, dtype, gen, device)
     q = torch.randn(1, num_heads, 64, generator=gen).to(dtype).to(device)
 
     alone = _decode(split_kv_decode, paginate([kv], page_a, gen), q, 0.125, window, split_size=64)
     mate_kvs = [random_kv(n, num_kv_heads, 64, dtype, gen, device) for n in mates]
-    batch = paginate(mate_kvs[:1] + [kv] + mate_kvs[1:], page_b, gen, extra_table_cols=5)
+    batch = paginate(mate_kvs[:1] + [kv] + mate_kvs[1:], page_b, gen,
+                     extra_table_cols=1 + extra_splits * -(-64 // page_b))
     qs = torch.randn(len(mates) + 1, num_heads, 64, generator=gen).to(dtype).to(device)
     qs[1] = q[0]
     together = _decode(split_kv_decode, batch, qs, 0.125, window, split_size=64)
@@ -96,57 +100,49 @@ def test_split_kv_decode_is_bitwise_invariant_to_page_size_permutation_table_wid
     assert torch.equal(together[1:2], alone)
 
 
-def _partials(num_seqs, num_heads, num_splits, head_dim, gen, empty_frac=0.4):
-    partial_out = torch.randn(num_seqs, num_heads, num_splits, head_dim, generator=gen)
-    partial_lse = torch.randn(num_seqs, num_heads, num_splits, generator=gen) * 5
-    empty = torch.rand(num_seqs, num_heads, num_splits, generator=gen) < empty_frac
-    partial_lse[empty] = -math.inf
-    partial_out[empty] = 0.0
-    partial_lse[0, 0] = -math.inf  # one row with every split empty
-    partial_out[0, 0] = 0.0
-    return partial_out, partial_lse
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_split_kv_decode_weighs_splits_by_their_lse_minus_the_max_at_scores_in_the_hundreds(dtype, device):
+    """Scores of a few hundred (exp of them overflows float32): each split's weight is exp(lse_j - max lse),
+    so the merge stays finite and matches the float32 reference. Three splits of 64, a window across two."""
+    gen = torch.Generator().manual_seed(7)
+    kvs = [random_kv(n, 2, 64, dtype, gen, device) for n in (170, 129)]
+    q = (60 * torch.randn(2, 8, 64, generator=gen)).to(dtype).to(device)  # scores ~ N(0, 60^2)
+    cache = paginate(kvs, 16, gen)
+    for window in (None, 100):
+        out = _decode(split_kv_decode, cache, q, 0.125, window, split_size=64)
+        ref = _decode(split_kv_decode_ref, cache, q, 0.125, window, split_size=64)
+        assert not out.isnan().any(), f"window {window}: NaN in the output"
+        torch.testing.assert_close(out, ref, **TOLERANCE[dtype])
 
 
-@given(num_splits=st.integers(1, 9), head_dim=st.sampled_from([64, 80]), out_dtype=st.sampled_from(DTYPES),
-       seed=st.integers(0, 2**16))
-def test_merge_splits_weighs_empty_splits_zero_without_nan(num_splits, head_dim, out_dtype, seed, device):
-    gen = torch.Generator().manual_seed(seed)
-    partial_out, partial_lse = (t.to(device) for t in _partials(3, 4, num_splits, head_dim, gen))
-    out = merge_splits(partial_out, partial_lse, torch.full((3, 4, head_dim), float("nan"), dtype=out_dtype,
-                                                            device=device))
-    ref = merge_splits_ref(partial_out, partial_lse, torch.empty_like(out))
+def test_split_kv_decode_gives_a_sequence_without_keys_zeros_and_leaves_its_mates_bitwise_alone(device):
+    """seq_len 0: no key is visible, every split weighs 0, and the row is 0 (not NaN); the other rows are
+    what they are without it."""
+    gen = torch.Generator().manual_seed(8)
+    kvs = [random_kv(n, 2, 64, torch.float32, gen, device) for n in (70, 5)]
+    q = torch.randn(3, 8, 64, generator=gen).to(device)
+    cache = paginate(kvs + [random_kv(1, 2, 64, torch.float32, gen, device)], 16, gen)
+    cache.seq_lens[2] = 0
+    out = _decode(split_kv_decode, cache, q, 0.125, None, split_size=64)
+    mates = _decode(split_kv_decode, paginate(kvs, 16, gen), q[:2], 0.125, None, split_size=64)
 
-    assert not out.isnan().any()
-    assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
-    torch.testing.assert_close(out, ref, **TOLERANCE[out_dtype])
-    # Empty splits inserted anywhere leave the result bitwise unchanged.
-    order = [num_splits, *range(num_splits), num_splits + 1]
-    empty_out = partial_out.new_zeros(3, 4, 2, head_dim)
-    empty_lse = partial_lse.new_full((3, 4, 2), -math.inf)
-    padded_out = torch.cat([partial_out, empty_out], dim=2)[:, :, order]
-    padded_lse = torch.cat([partial_lse, empty_lse], dim=2)[:, :, order]
-    assert torch.equal(merge_splits(padded_out.contiguous(), padded_lse.contiguous(), torch.empty_like(out)), out)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    assert torch.equal(out[:2], mates)
 
 
-@pytest.mark.parametrize("shift", [500.0, -500.0])
-def test_merge_splits_result_is_unchanged_by_shifting_every_lse(shift, device):
-    """The merge weighs split j by exp(lse_j - max lse): shifting every LSE by +-500, where exp(lse) alone
-    overflows or underflows, changes no bit. LSEs on a 2^-10 grid (|lse| < 20 here) stay exact when shifted, so
-    the differences the merge exponentiates are the same numbers."""
-    gen = torch.Generator().manual_seed(0)
-    partial_out, partial_lse = _partials(3, 4, 6, 64, gen)
-    partial_lse = torch.round(partial_lse * 1024) / 1024  # -inf (an empty split) stays -inf
-    partial_out, partial_lse = partial_out.to(device), partial_lse.to(device)
-
-    def merged(lse):
-        return merge_splits(partial_out, lse, torch.full((3, 4, 64), float("nan"), device=device))
-
-    base, shifted = merged(partial_lse), merged(partial_lse + shift)
-
-    torch.testing.assert_close(base, merge_splits_ref(partial_out, partial_lse, torch.empty_like(base)),
-                               **TOLERANCE[torch.float32])
-    assert not shifted.isnan().any(), f"shift {shift}: the merged output holds NaN"
-    assert torch.equal(shifted, base), f"shift {shift}: max change {(shifted - base).abs().max().item():.3g}"
+def test_one_workspace_serves_launch_after_launch_with_the_bits_of_fresh_scratch(device):
+    """An engine step shares one workspace between its layers: each launch leaves the arrival counters zero,
+    so the next (other queries, cache, window) gives the bits a fresh workspace gives."""
+    gen = torch.Generator().manual_seed(9)
+    lens = (150, 1, 64, 200)
+    workspace = split_workspace(4, 8, 2, 64, num_splits_for(-(-200 // 16) + 1, 16, 64), device)
+    for layer, window in enumerate((None, 70, None)):
+        cache = paginate([random_kv(n, 2, 64, torch.float32, gen, device) for n in lens], 16, gen)
+        q = torch.randn(4, 8, 64, generator=gen).to(device)
+        shared = _decode(split_kv_decode, cache, q, 0.125, window, split_size=64, workspace=workspace)
+        fresh = _decode(split_kv_decode, cache, q, 0.125, window, split_size=64)
+        assert torch.equal(shared, fresh), f"launch {layer}"
+        assert torch.equal(workspace.arrivals, torch.zeros_like(workspace.arrivals)), f"launch {layer}"
 
 
 def test_split_kv_decode_rejects_split_size_off_the_tile_grid():
@@ -159,6 +155,11 @@ def test_split_kv_decode_rejects_split_size_off_the_tile_grid():
     for fn in (split_kv_decode, split_kv_decode_ref):
         with pytest.raises(ValueError, match="q has 2 rows but seq_lens has 1"):
             fn(torch.randn(2, 2, 64), cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, 0.125)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, 0.125)
+    with pytest.raises(ValueError, match=r"workspace.partial_out must be contiguous torch.float32 \(1, 2, 1, 64\)"):
+        split_kv_decode(*args, workspace=split_workspace(1, 2, 1, 64, 2, "cpu"))
+    with pytest.raises(TypeError, match="workspace must be a SplitWorkspace"):
+        split_kv_decode(*args, workspace=(torch.empty(1, 2, 1, 64), torch.empty(1, 2, 1), torch.zeros(1, 1)))
     many = 65536  # one past the launch grid's limit on sequences
     with pytest.raises(ValueError, match="at most 65535 sequences per call, got 65536"):
         split_kv_decode(torch.randn(many, 1, 64), cache.k_cache, cache.v_cache,
