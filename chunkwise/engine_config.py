@@ -24,7 +24,7 @@ DEVICE_TYPES = ("cpu", "cuda")
 # Fields that only the optimized engine's paging, batching and kernels use.
 REFERENCE_IGNORED = ("page_size", "num_pages", "gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs",
                      "enable_prefix_caching", "enforce_eager", "split_kv_threshold", "split_size", "cascade_attention",
-                     "deterministic")
+                     "deterministic", "async_scheduling")
 
 
 def _positive_int(name: str, value, low: int = 1) -> None:
@@ -52,6 +52,8 @@ class EngineConfig:
     cascade_attention: bool = True           # decodes sharing prefix splits read them once per step
     deterministic: bool = False              # batch-invariant: a token's bits independent of batch, chunks, pages
                                              # (no split-KV then, so split_kv_threshold/split_size/cascade do not apply)
+    async_scheduling: bool | None = None     # overlap: prepare step k+1 while the device runs step k; None: on
+                                             # with CUDA (on CPU the host is the device: nothing to overlap)
     path: Path = field(init=False, repr=False)                 # the checkpoint directory
     model_config: ModelConfig = field(init=False, repr=False)
 
@@ -60,7 +62,10 @@ class EngineConfig:
         set_("dtype", _resolve_dtype(self.dtype))
         set_("device", _resolve_device(self.device))
         _positive_int("page_size", self.page_size)
-        for name in ("enable_prefix_caching", "enforce_eager", "cascade_attention", "deterministic"):
+        if self.async_scheduling is None:
+            set_("async_scheduling", self.device.type == "cuda")
+        for name in ("enable_prefix_caching", "enforce_eager", "cascade_attention", "deterministic",
+                     "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         u = self.gpu_memory_utilization
