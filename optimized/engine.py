@@ -108,7 +108,8 @@ class Engine:
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """Stop a request and free its pages; returns its output (the tokens so far, finish_reason "abort"),
-        or None if it had already finished."""
+        or None if it had already finished. Under overlap scheduling its token in flight is dropped: the output
+        holds the tokens `step` has returned."""
         with self._lock:
             if not isinstance(request_id, int) or not 0 <= request_id < self._num_ids:
                 raise ValueError(f"no request with id {request_id!r}")
