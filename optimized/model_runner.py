@@ -58,11 +58,10 @@ class HostStep:
 @dataclass
 class Launched:
     """A step whose forward is launched: the sequences that sample (in logits-row order), their logits, and
-    the greedy tokens on the device with their copy to the host (complete once `ready` has passed)."""
+    the copy to the host of their greedy tokens (complete once `ready` has passed)."""
     seqs: list
     logits: torch.Tensor          # float32 [N, vocab]; a graph step's are overwritten by the next replay
-    tokens: torch.Tensor          # int64 [N], argmax of each row, on the device
-    host_tokens: torch.Tensor     # int64 [N], their copy on the host (pinned on GPU)
+    host_tokens: torch.Tensor     # int64 [N], argmax of each row (pinned on GPU)
     ready: torch.cuda.Event | None
 
 
@@ -262,7 +261,7 @@ class ModelRunner:
         # Only greedy tokens can feed the next step before `sample`: a drawn token exists only after it.
         self.last_tokens = tokens
         self.last_rows = {s.seq_id: i for i, s in enumerate(sampled) if s.sampling_params.greedy}
-        return Launched(sampled, logits, tokens, host_tokens, ready)
+        return Launched(sampled, logits, host_tokens, ready)
 
     def forward(self, host: HostStep) -> torch.Tensor:
         """Logits of a prepared step: a CUDA graph replay for decode-only steps that fit one, else eager

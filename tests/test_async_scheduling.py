@@ -79,7 +79,8 @@ def drive(engine, specs, solo):
 @example([(0, 5, 2, None, None, None, 0, None), (2, 5, None, None, None, 3, 0, 2), (4, 4, None, 2, None, None, 2, None),
           (3, 5, None, None, None, None, 0, None)])
 # Seeded sampling beside greedy decodes, a late arrival, max_tokens 1.
-@example([(1, 4, None, None, 3, 2, 0, None), (3, 1, None, None, None, None, 1, None), (0, 5, 0, None, None, 1, 2, None)])
+@example([(1, 4, None, None, 3, 2, 0, None), (3, 1, None, None, None, None, 1, None),
+          (0, 5, 0, None, None, 1, 2, None)])
 def test_async_outputs_equal_sync_outputs(engines, solo, specs):
     sync, overlap = (drive(engines[mode], specs, solo) for mode in (False, True))
     for k, ((s, s_streamed), (a, a_streamed)) in enumerate(zip(sync, overlap)):
