@@ -14,14 +14,18 @@ Per workload:
                Both runs are asserted to hit no prefix-cache page, and the timed run to compile no
                Triton kernel (every specialisation it uses was compiled before it).
   deterministic  optimized.Engine(deterministic=True), after a first run; its ratio to the default mode.
+  sync_scheduling  optimized.Engine(async_scheduling=False), after a first run: the default mode without
+               overlap scheduling (each step postprocessed before the next is scheduled); the default's
+               ratio to it.
   hf_generate  HF `generate`, greedy, batched with left padding, on the first requests (see HF_REQUESTS);
                batches grouped by output length, each generating its longest request's length.
   hf_cb        HF continuous batching (`paged|sdpa` attention, one manager, per-request max_new_tokens) on
                the first requests (see CB_REQUESTS).
 A table is printed at the end and a PNG plot of tokens/s against the roofline is written next to the JSON
 (--benchmark-json), else to .benchmarks/bench_engine.png. CHUNKWISE_BENCH_BREAKDOWN=1 adds a run per
-workload under `StepTimer` (schedule / prepare / forward / sample / postprocess per step, decode forwards
-against their own memory roofline) and a kernel count per layer of an eager decode forward.
+workload under `StepTimer` (schedule / prepare / forward / sample / postprocess per step, decode steps
+against their own memory roofline; device-synchronised forwards for sync_scheduling, host times and wall
+time for the default's overlap) and a kernel count per layer of an eager decode forward.
 """
 from __future__ import annotations
 
@@ -203,10 +207,19 @@ def case(request, ceilings, cost):
     return name, spec, w, roof
 
 
-def engine_for(ckpt, spec: Spec, deterministic: bool = False) -> Engine:
+def engine_for(ckpt, spec: Spec, **kw) -> Engine:
     max_len = spec.prompt[1] + spec.output[1] + 16
     return Engine(ckpt, dtype="bfloat16", max_model_len=max_len, max_num_batched_tokens=8192,
-                  max_num_seqs=spec.max_num_seqs, deterministic=deterministic)
+                  max_num_seqs=spec.max_num_seqs, **kw)
+
+
+def breakdown(name: str, engine: str, eng: Engine, spec: Spec, cost, ceilings):
+    """A run under StepTimer on other prompts; prints and keeps the step breakdown."""
+    from benchmarks.step_timer import StepTimer, format_summary
+    timer = StepTimer(eng, device_sync=not eng.engine_config.async_scheduling)
+    run_engine(eng, make_workload(spec, QWEN3_0_6B_SHAPE["vocab_size"], seed=2))
+    RESULTS[name][f"breakdown_{engine}"] = timer.summary(cost, ceilings)
+    print(format_summary(f"[{name}] {engine}", RESULTS[name][f"breakdown_{engine}"]))
 
 
 def record(name: str, engine: str, tokens: int, seconds: float, roof: dict, benchmark=None, **extra):
@@ -242,11 +255,7 @@ def test_optimized_engine(benchmark, ckpt, case, ceilings, cost):
         record(name, "optimized", tokens, seconds, roof, benchmark, compiles=len(timed_compiles),
                num_pages=eng.runner.num_pages, cuda_graphs=len(eng.runner.graphs))
         if BREAKDOWN:
-            from benchmarks.step_timer import StepTimer, format_summary
-            timer = StepTimer(eng)
-            run_engine(eng, make_workload(spec, QWEN3_0_6B_SHAPE["vocab_size"], seed=2))
-            RESULTS[name]["breakdown"] = timer.summary(cost, ceilings)
-            print(format_summary(f"[{name}]", RESULTS[name]["breakdown"]))
+            breakdown(name, "optimized", eng, spec, cost, ceilings)
             print(f"[{name}] kernels per layer, eager decode forward of 64 sequences: {kernels_per_layer(eng):.1f}")
     finally:   # the KV cache fills the GPU: free it even when a check failed
         del eng
@@ -271,6 +280,26 @@ def test_deterministic_engine(benchmark, ckpt, case, ceilings, cost):
     default = RESULTS[name].get("optimized", {}).get("tokens_per_s")
     record(name, "deterministic", tokens, seconds, roof, benchmark,
            vs_default=round(tokens / seconds / default, 3) if default else None)
+
+
+def test_sync_scheduling_engine(benchmark, ckpt, case, ceilings, cost):
+    """Engine(async_scheduling=False) on the same workload, after a first run that compiles what it uses."""
+    name, spec, w, roof = case
+    gc.collect()
+    torch.cuda.empty_cache()
+    eng = engine_for(ckpt, spec, async_scheduling=False)
+    try:
+        run_engine(eng, make_workload(spec, QWEN3_0_6B_SHAPE["vocab_size"], seed=1))
+        tokens, seconds = benchmark.pedantic(run_engine, args=(eng, w), rounds=1, iterations=1)
+        if BREAKDOWN:
+            breakdown(name, "sync_scheduling", eng, spec, cost, ceilings)
+    finally:
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    default = RESULTS[name].get("optimized", {}).get("tokens_per_s")
+    record(name, "sync_scheduling", tokens, seconds, roof, benchmark,
+           default_vs_sync=round(default / (tokens / seconds), 3) if default else None)
 
 
 def kernels_per_layer(eng: Engine) -> float:
@@ -334,7 +363,7 @@ def print_table_and_plot(config):
     for name, res in RESULTS.items():
         cb = res.get("hf_cb", {}).get("tokens_per_s")
         for engine, r in res.items():
-            if engine == "breakdown":
+            if engine.startswith("breakdown"):
                 continue
             pct = f"{r['pct_roofline']:.1f}" if "pct_roofline" in r else "100"
             vs = f"{r['tokens_per_s'] / cb:.1f}x" if cb else "-"
@@ -357,7 +386,7 @@ def plot(path: Path):
     names = [n for n in RESULTS if RESULTS[n]]
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.5), squeeze=False)
     for ax, name in zip(axes[0], names):
-        res = {k: v for k, v in RESULTS[name].items() if k not in ("roofline", "breakdown")}
+        res = {k: v for k, v in RESULTS[name].items() if k != "roofline" and not k.startswith("breakdown")}
         ax.bar(list(res), [r["tokens_per_s"] for r in res.values()], color="tab:blue")
         for i, r in enumerate(res.values()):
             ax.annotate(f"{r['tokens_per_s']:.0f}\n{r['pct_roofline']:.0f}%", (i, r["tokens_per_s"]),

@@ -24,7 +24,7 @@ DEVICE_TYPES = ("cpu", "cuda")
 # Fields that only the optimized engine's paging, batching and kernels use.
 REFERENCE_IGNORED = ("page_size", "num_pages", "gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs",
                      "enable_prefix_caching", "enforce_eager", "split_kv_threshold", "split_size", "cascade_attention",
-                     "deterministic", "tensor_parallel_size")
+                     "deterministic", "tensor_parallel_size", "async_scheduling")
 
 
 def _positive_int(name: str, value, low: int = 1) -> None:
@@ -53,6 +53,9 @@ class EngineConfig:
     deterministic: bool = False              # batch-invariant: a token's bits independent of batch, chunks, pages
                                              # (no split-KV then, so split_kv_threshold/split_size/cascade do not apply)
     tensor_parallel_size: int = 1            # ranks (one process and device each) sharding the model, Megatron-style
+    async_scheduling: bool | None = None     # overlap: prepare step k+1 while the device runs step k; None: on
+                                             # with CUDA on one device (on CPU the host is the device: nothing to
+                                             # overlap; tensor-parallel workers would need the device's tokens)
     path: Path = field(init=False, repr=False)                 # the checkpoint directory
     model_config: ModelConfig = field(init=False, repr=False)
 
@@ -61,8 +64,10 @@ class EngineConfig:
         set_("dtype", _resolve_dtype(self.dtype))
         set_("device", _resolve_device(self.device))
         _positive_int("page_size", self.page_size)
-        for name in ("enable_prefix_caching", "enforce_eager", "cascade_attention", "deterministic"):
-            if not isinstance(getattr(self, name), bool):
+        for name in ("enable_prefix_caching", "enforce_eager", "cascade_attention", "deterministic",
+                     "async_scheduling"):
+            if not isinstance(getattr(self, name), bool) and (name != "async_scheduling" or self.async_scheduling
+                                                              is not None):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
@@ -86,6 +91,12 @@ class EngineConfig:
         set_("path", path)
         set_("model_config", model_config)
         _check_tensor_parallel(self)
+        if self.async_scheduling is None:
+            set_("async_scheduling", self.device.type == "cuda" and self.tensor_parallel_size == 1)
+        elif self.async_scheduling and self.tensor_parallel_size > 1:
+            # The workers run step k+1 with step k's tokens, which exist only on rank 0's device.
+            raise ValueError(f"async_scheduling=True is not supported with tensor_parallel_size="
+                             f"{self.tensor_parallel_size} yet; leave it unset or False")
 
     @property
     def max_pages_per_seq(self) -> int:

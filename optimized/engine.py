@@ -12,12 +12,21 @@ postprocesses as with one device) and starts N-1 worker processes (optimized/wor
 step's forward cannot be contained there (the ranks' caches may disagree): the engine closes and raises
 TensorParallelError. `close()` (or `with Engine(...) as eng:`) stops the workers; an engine that is garbage
 collected, or still open at interpreter exit, stops them too.
+
+Overlap scheduling (`async_scheduling`, on by default with CUDA): a step's postprocess waits until the
+next step is launched, so the host schedules and prepares step k+1 while the device runs step k. Step
+k's sampled tokens stay on the device and feed k+1 there (see `ModelRunner`). A sequence that step k
+finishes has computed one more token in k+1 in vain: it is dropped, and its pages were freed when k
+finished. Steps that sample with a generator or return logprobs are postprocessed at once (their token
+must be drawn on the host before the next step can read it). An abort drops the request's token in
+flight: its output holds the tokens streamed so far.
 """
 from __future__ import annotations
 
 import threading
 import weakref
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -27,7 +36,7 @@ from chunkwise.requests import prepare_requests, single_prompt
 from chunkwise.sampling import RequestOutput, SamplingParams
 from chunkwise.tokenizer import decode, load_tokenizer
 from chunkwise.weights import load_weights
-from optimized.model_runner import ModelRunner
+from optimized.model_runner import Launched, ModelRunner
 from optimized.page_pool import PagePool
 from optimized.scheduler import ScheduledBatch, Scheduler
 from optimized.sequence import Sequence
@@ -49,6 +58,17 @@ class StepOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class _Step(NamedTuple):
+    """A launched step awaiting its postprocess: what was scheduled and what the runner launched."""
+    batch: ScheduledBatch
+    launched: Launched
+
+    @property
+    def can_overlap(self) -> bool:
+        """Its tokens can feed the next step on the device: greedy, and no logprobs to compute from its logits."""
+        return all(s.sampling_params.greedy and s.sampling_params.logprobs is None for s in self.launched.seqs)
 
 
 class Engine:
@@ -82,6 +102,7 @@ class Engine:
         self._claims: dict[int, list[StepOutput]] = {}       # outputs collected by a generate/prefill_kv call
         self._backlog: list[StepOutput] = []                 # streamed requests' outputs made inside those calls
         self._num_ids = 0                                    # request ids handed out: 0 .. _num_ids - 1
+        self._in_flight: _Step | None = None                 # launched, not yet postprocessed (overlap only)
         self._lock = threading.RLock()
 
     # ---- lifetime ----------------------------------------------------------------------------------
@@ -135,7 +156,8 @@ class Engine:
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """Stop a request and free its pages; returns its output (the tokens so far, finish_reason "abort"),
-        or None if it had already finished."""
+        or None if it had already finished. Under overlap scheduling its token in flight is dropped: the output
+        holds the tokens `step` has returned."""
         with self._lock:
             if not isinstance(request_id, int) or not 0 <= request_id < self._num_ids:
                 raise ValueError(f"no request with id {request_id!r}")
@@ -164,7 +186,8 @@ class Engine:
     # ---- stepping ----------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """One scheduler step: a forward over the batch, sampling, bookkeeping. Returns what each request
-        got (requests collected by a running `generate` or `prefill_kv` are left to those calls)."""
+        got (requests collected by a running `generate` or `prefill_kv` are left to those calls); under
+        overlap scheduling, what the step before got, once this one is launched."""
         with self._lock:
             backlog, self._backlog = self._backlog, []
             return backlog + self._route(self._step())
@@ -180,24 +203,47 @@ class Engine:
         return free
 
     def _step(self) -> list[StepOutput]:
+        """Schedule and launch a step, then postprocess the step before it (overlap) or this one."""
         self._check_open()
         batch = self.scheduler.schedule()
+        prev, self._in_flight = self._in_flight, None
         if batch.is_empty:
-            if self.scheduler.has_unfinished():
+            if prev is None and self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler made no progress with unfinished requests queued")
-            return []
+            return self._postprocess(prev)
         try:
-            sampled, logits = self.runner.run(batch)
-            tokens, logprobs = self.runner.sample(sampled, logits)
+            step = _Step(batch, self.runner.run(batch))
         except TensorParallelError as exc:   # not containable: the workers are gone
             self._close(f"a tensor-parallel step failed: {exc}")
             raise
         except Exception as exc:   # contained: only this step's requests end, with the error on them
-            return self._fail(batch, exc)
-        except BaseException:   # KeyboardInterrupt: inside a tensor-parallel forward it has stopped the workers
-            if self._workers is not None and self._workers.error is not None:
-                self._close(f"interrupted inside a tensor-parallel step: {self._workers.error}")
+            return self._postprocess(prev) + self._fail(batch, exc)
+        except BaseException:
+            self._interrupted()
             raise
+        self.scheduler.advance(batch)
+        outs = self._postprocess(prev)
+        if self.engine_config.async_scheduling and step.can_overlap:
+            self._in_flight = step
+            return outs
+        return outs + self._postprocess(step)
+
+    def _postprocess(self, step: _Step | None) -> list[StepOutput]:
+        """Sample a launched step (waiting for its tokens), append them, finish the requests that end."""
+        if step is None:
+            return []
+        batch, launched = step
+        try:
+            tokens, logprobs = self.runner.sample(launched)
+        except TensorParallelError as exc:
+            self._close(f"a tensor-parallel step failed: {exc}")
+            raise
+        except Exception as exc:   # contained as in `_step`
+            return self._fail(batch, exc)
+        except BaseException:
+            self._interrupted()
+            raise
+        sampled = [s for s in launched.seqs if s.seq_id in tokens]   # those that ended since are skipped
         finished = {s.seq_id for s in self.scheduler.postprocess(batch, tokens)}
         results = []
         for seq in sampled:
@@ -209,6 +255,16 @@ class Engine:
             out = self._finish(seq, seq.finish_reason) if rid in finished else None
             results.append(StepOutput(rid, [tokens[rid]], lp, out.finish_reason if out else None, out))
         return results
+
+    def _drain(self) -> list[StepOutput]:
+        """Postprocess the step in flight, if any."""
+        step, self._in_flight = self._in_flight, None
+        return self._postprocess(step)
+
+    def _interrupted(self) -> None:
+        """KeyboardInterrupt inside a tensor-parallel step has stopped the workers: the engine closes too."""
+        if self._workers is not None and self._workers.error is not None:
+            self._close(f"interrupted inside a tensor-parallel step: {self._workers.error}")
 
     def _fail(self, batch: ScheduledBatch, exc: Exception) -> list[StepOutput]:
         error = f"{type(exc).__name__}: {exc}"
@@ -265,6 +321,8 @@ class Engine:
             while True:
                 with self._lock:
                     self._backlog += self._route(self._step())
+                    if seq.num_computed_tokens >= seq.num_prompt_tokens:   # launched: wait for it to succeed
+                        self._backlog += self._route(self._drain())
                     failed = next((o for o in self._claims[rid] if o.finished), None)
                     if failed is not None:
                         raise RuntimeError(f"prefill_kv: the request failed: {failed.output.error}")

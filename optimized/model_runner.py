@@ -12,11 +12,16 @@ every rank agrees on the pool size (the smallest any rank can hold). Rank 0's ru
 `workers` and sends them each step's HostStep (with the block-table writes it made, since workers have no
 sequences) before its own forward; a worker's runner replays it (`run_host`). Every rank then runs the same
 forward, eager or the same CUDA graph, so the collectives inside match.
+
+Overlap scheduling: `run` launches a step and returns without waiting for the device; greedy tokens are
+taken on the device and copied back asynchronously, read by `sample` later. A token sampled by the last
+launched step but not yet known on the host (a sequence's pending token) is fed to the next step on the
+device: its input id is gathered from that step's tokens, so launching step k+1 never waits for step k.
 """
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -57,6 +62,20 @@ class HostStep:
     cascade: CascadeGroups | None = None   # the decodes' shared splits (host tensors)
     table_updates: np.ndarray | None = None   # int64 [3, U]: BlockTables writes of this step (rows, cols, pages)
     table_rows: int = 0                       # rows of the block table after them
+    # Tokens still pending (ids -1 here): their rows in the flat batch, and the rows of the last launched
+    # step's sampled tokens that hold them.
+    pending: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))       # int64 [M]
+    pending_src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # int64 [M]
+
+
+@dataclass
+class Launched:
+    """A step whose forward is launched: the sequences that sample (in logits-row order), their logits, and
+    the copy to the host of their greedy tokens (complete once `ready` has passed)."""
+    seqs: list
+    logits: torch.Tensor          # float32 [N, vocab]; a graph step's are overwritten by the next replay
+    host_tokens: torch.Tensor     # int64 [N], argmax of each row (pinned on GPU)
+    ready: torch.cuda.Event | None
 
 
 def _synthetic_step(chunks: list[int], num_decodes: int) -> HostStep:
@@ -113,6 +132,9 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
         self.tables = BlockTables(self.max_pages_per_seq, self.device)
         self.generators: dict[int, torch.Generator | None] = {}
+        # The last launched step's tokens on the device, and each sampling sequence's row in them.
+        self.last_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self.last_rows: dict[int, int] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda":
             self._warm_up()
@@ -168,16 +190,27 @@ class ModelRunner:
         pos = start[owner] + np.arange(int(ends[-1]) if entries else 0) - (ends - n)[owner]
         slots = self.tables.host[rows[owner], pos // self.page_size].astype(np.int64) * self.page_size \
             + pos % self.page_size
+        # A sequence's last token may still be pending (sampled by the last launched step, see `Sequence`):
+        # then it is the last token this step computes for it, and its id is filled in on the device.
+        pending = start + n > np.array([len(s.token_ids) for s in seqs], np.int64)
         if len(prefill):
-            ids = np.fromiter(itertools.chain.from_iterable(s.token_ids[c:c + k] for s, k, _, c in entries),
-                              np.int64, len(pos))
+            ids = np.full(len(pos), -1, np.int64)
+            known = np.ones(len(pos), bool)
+            known[(ends - 1)[pending]] = False
+            ids[known] = np.fromiter(itertools.chain.from_iterable(s.token_ids[c:c + k] for s, k, _, c in entries),
+                                     np.int64, len(pos) - int(pending.sum()))
         else:   # decodes only: each computes its last token
             ids = np.array([s.token_ids[-1] for s in seqs], np.int64)
+            ids[pending] = -1
+        try:
+            src = np.array([self.last_rows[s.seq_id] for s, p in zip(seqs, pending) if p], np.int64)
+        except KeyError as exc:
+            raise RuntimeError(f"sequence {exc} has a pending token the last launched step did not sample") from None
         host = HostStep(ids=ids, positions=pos, slots=slots, logits_indices=(ends - 1)[samples], rows=rows,
                         seq_lens=(start + n).astype(np.int32), query_start_loc=np.concatenate(
                             ([0], ends[:len(prefill)])).astype(np.int32), num_prefill=len(prefill),
-                        cascade=self._cascade(decode), table_updates=self.tables.updates,
-                        table_rows=self.tables.table.shape[0])
+                        cascade=self._cascade(decode), pending=(ends - 1)[pending], pending_src=src,
+                        table_updates=self.tables.updates, table_rows=self.tables.table.shape[0])
         return host, [e[0] for e in entries if e[2]]
 
     def _cascade(self, decode) -> CascadeGroups | None:
@@ -195,10 +228,13 @@ class ModelRunner:
         return groups if groups.num_shared else None
 
     def _upload(self, host: HostStep) -> StepInputs:
-        """Device StepInputs of a host step: one copy per dtype, block tables gathered on the device."""
+        """Device StepInputs of a host step: one copy per dtype, block tables gathered on the device, pending
+        ids filled in from the last step's tokens."""
         p = host.num_prefill
-        (ids, pos, slots, logits, prows, drows), d64 = self._packed(
-            [host.ids, host.positions, host.slots, host.logits_indices, host.rows[:p], host.rows[p:]], torch.int64)
+        (ids, pos, slots, logits, prows, drows, pending, src), d64 = self._packed(
+            [host.ids, host.positions, host.slots, host.logits_indices, host.rows[:p], host.rows[p:], host.pending,
+             host.pending_src], torch.int64)
+        self._fill_pending(ids, pending, src)
         groups = host.cascade
         (lens, dlens, qsl, *group_tensors), _ = self._packed(
             [host.seq_lens[:p], host.seq_lens[p:], host.query_start_loc]
@@ -209,6 +245,11 @@ class ModelRunner:
                           query_start_loc=qsl, decode_block_tables=self.tables.table.index_select(0, drows),
                           decode_seq_lens=dlens, logits_indices=logits,
                           cascade=groups.on(*group_tensors) if groups is not None else None)
+
+    def _fill_pending(self, ids: torch.Tensor, pending: torch.Tensor, src: torch.Tensor) -> None:
+        """ids[pending] = the last step's tokens[src], on the device (no wait for that step)."""
+        if len(pending):
+            ids.index_copy_(0, pending, self.last_tokens.index_select(0, src))
 
     def _packed(self, arrays, dtype):
         """Device views of `arrays` packed into one buffer (one host-to-device copy); each view starts
@@ -226,12 +267,26 @@ class ModelRunner:
 
     # ---- forward -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, batch) -> tuple[list, torch.Tensor]:
-        """Forward of one step; returns the sequences that sample now and their logits [N, vocab] float32."""
+    def run(self, batch) -> Launched:
+        """Launch one step's forward and its greedy tokens' copy to the host; waits for nothing on the device."""
         host, sampled = self.prepare(batch)
         if self.workers is not None:
-            return sampled, self.workers.together(("step", host), lambda: self.forward(host))
-        return sampled, self.forward(host)
+            logits = self.workers.together(("step", host), lambda: self.forward(host))
+        else:
+            logits = self.forward(host)
+        tokens = torch.argmax(logits, dim=-1)
+        ready = None
+        if self.device.type == "cuda":
+            host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host_tokens.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host_tokens = tokens
+        # Only greedy tokens can feed the next step before `sample`: a drawn token exists only after it.
+        self.last_tokens = tokens
+        self.last_rows = {s.seq_id: i for i, s in enumerate(sampled) if s.sampling_params.greedy}
+        return Launched(sampled, logits, host_tokens, ready)
 
     @torch.inference_mode()
     def run_host(self, host: HostStep) -> None:
@@ -253,10 +308,11 @@ class ModelRunner:
         n = self.graph_rows = max_num_seqs
         seg = -(-n // ALIGN) * ALIGN
         dev = self.device
-        # Static int64 inputs: ids, positions, slots, logits rows, block-table rows; int32: seq lens.
-        self.static64 = torch.zeros(5 * seg, dtype=torch.int64, device=dev)
+        # Static int64 inputs: ids, positions, slots, logits rows, block-table rows, then (read before the
+        # replay, not by the graph) pending rows and their rows in the last step's tokens; int32: seq lens.
+        self.static64 = torch.zeros(7 * seg, dtype=torch.int64, device=dev)
         self.static32 = torch.ones(seg, dtype=torch.int32, device=dev)
-        self.stage64 = torch.zeros(5 * seg, dtype=torch.int64, pin_memory=True)
+        self.stage64 = torch.zeros(7 * seg, dtype=torch.int64, pin_memory=True)
         self.stage32 = torch.ones(seg, dtype=torch.int32, pin_memory=True)
         self.stage64.numpy()[3 * seg:4 * seg] = np.arange(seg)
         self.stage64.numpy()[2 * seg:3 * seg] = -1
@@ -297,11 +353,15 @@ class ModelRunner:
             s64[k * seg + d:k * seg + bs] = pad
         s64[4 * seg:4 * seg + d] = host.rows
         s64[4 * seg + d:4 * seg + bs] = 0
+        m = len(host.pending)
+        s64[5 * seg:5 * seg + m] = host.pending
+        s64[6 * seg:6 * seg + m] = host.pending_src
         s32[:d] = host.seq_lens
         s32[d:bs] = 1
         self.static64.copy_(self.stage64, non_blocking=True)
         self.static32.copy_(self.stage32, non_blocking=True)
         self.staged.record()
+        self._fill_pending(self.static64[:bs], self.static64[5 * seg:5 * seg + m], self.static64[6 * seg:6 * seg + m])
         torch.index_select(self.tables.table, 0, self.static64[4 * seg:4 * seg + bs], out=self.static_tables[:bs])
         self.graphs[bs].replay()
         return self.graph_logits[bs][:d]
@@ -323,26 +383,35 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     # ---- sampling ----------------------------------------------------------------------------------
-    def sample(self, seqs, logits: torch.Tensor) -> tuple[dict[int, int], dict[int, dict[int, float]]]:
-        """Tokens (and requested logprobs) per seq_id; each request samples from its own generator.
+    def sample(self, step: Launched) -> tuple[dict[int, int], dict[int, dict[int, float]]]:
+        """Tokens (and requested logprobs) per seq_id of a launched step, waiting for its greedy tokens; each
+        request samples from its own generator. Sequences that ended since the launch are skipped.
+
+        A step with non-greedy or logprobs requests is sampled before the next one is launched: its logits
+        are read here, and the next step cannot feed a token that is sampled only here.
 
         With workers, the step is confirmed after it: sampling waits for the logits, so for the whole step, and a
         rank lost meanwhile (NCCL runs asynchronously: an aborted collective may have left rank 0 running on)
         voids the step and raises TensorParallelError, also when it is why sampling failed."""
         if self.workers is None:
-            return self._sample(seqs, logits)
+            return self._sample(step)
         try:
-            result = self._sample(seqs, logits)
+            result = self._sample(step)
         except Exception:
             self.workers.check()
             raise
         self.workers.check()
         return result
 
-    def _sample(self, seqs, logits: torch.Tensor) -> tuple[dict[int, int], dict[int, dict[int, float]]]:
-        greedy = torch.argmax(logits, dim=-1).tolist() if logits.shape[0] else []
+    def _sample(self, step: Launched) -> tuple[dict[int, int], dict[int, dict[int, float]]]:
+        if step.ready is not None:
+            step.ready.synchronize()
+        greedy = step.host_tokens.tolist()
+        logits = step.logits
         tokens, logprobs = {}, {}
-        for row, seq in enumerate(seqs):
+        for row, seq in enumerate(step.seqs):
+            if seq.is_finished:
+                continue
             params = seq.sampling_params
             if params.greedy:
                 token = greedy[row]

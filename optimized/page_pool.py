@@ -137,13 +137,15 @@ class PagePool:
         page.hash, page.parent_hash, page.token_ids = None, b"", ()
         return page_id
 
-    def commit(self, seq: Sequence) -> None:
-        """After a step wrote K/V: cache the pages that became full of computed tokens."""
+    def commit(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """After a step wrote K/V: cache the pages that became full of its first num_tokens tokens (default:
+        every computed token; under overlap scheduling, those of the steps that completed)."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.page_size
+        num_tokens = seq.num_computed_tokens if num_tokens is None else num_tokens
+        num_full = num_tokens // self.page_size
         if num_full > len(seq.block_table):
-            raise ValueError(f"sequence {seq.seq_id} has {seq.num_computed_tokens} computed tokens but only "
+            raise ValueError(f"sequence {seq.seq_id} has {num_tokens} computed tokens but only "
                              f"{len(seq.block_table)} pages")
         for i in range(len(seq.page_hashes), num_full):
             parent = seq.page_hashes[-1] if seq.page_hashes else b""

@@ -23,12 +23,14 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)   # computed this step from seq.num_computed_tokens
     preempted: list[Sequence] = field(default_factory=list)
-    # Per seq: this step computes its last token, so the engine samples its next one. Fixed at
-    # scheduling time: postprocess moves num_computed_tokens on.
+    # Per seq, fixed at scheduling time (`advance` moves num_computed_tokens on): the tokens it has computed
+    # once this step is done, and whether this step computes its last token, so the engine samples its next.
+    ends: list[int] = field(init=False)
     samples: list[bool] = field(init=False)
 
     def __post_init__(self):
-        self.samples = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(self.seqs, self.num_new_tokens)]
+        self.ends = [s.num_computed_tokens + n for s, n in zip(self.seqs, self.num_new_tokens)]
+        self.samples = [end == s.num_tokens for s, end in zip(self.seqs, self.ends)]
 
     @property
     def is_empty(self) -> bool:
@@ -99,7 +101,8 @@ class Scheduler:
         alone, self._alone = self._alone, None
         if alone is not None and not alone.is_finished and self._schedule_alone(alone, plan):
             return plan.batch()
-        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
+        # A decode whose pending token is its max_tokens-th finishes when that token lands: not scheduled again.
+        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1 and not s.pending_is_last]:
             if plan.budget <= 0:
                 break
             if seq.status is SequenceStatus.RUNNING:   # not preempted earlier in this loop
@@ -190,21 +193,32 @@ class Scheduler:
             return False
         return self._try_admit(seq, plan)
 
+    def advance(self, batch: ScheduledBatch) -> None:
+        """The batch's forward is launched: its tokens count as computed, and each sampling seq's next token is
+        pending until `postprocess` gets it (the next step may be scheduled before that, feeding it on the device)."""
+        for seq, end, samples in zip(batch.seqs, batch.ends, batch.samples):
+            seq.num_computed_tokens = end
+            seq.num_pending += samples
+
     def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[Sequence]:
-        """Advance the batch's seqs after the model ran; append sampled tokens; returns newly finished seqs."""
-        # Seqs aborted between schedule and postprocess are skipped; check before changing anything.
-        live = [(seq, n, s) for seq, n, s in zip(batch.seqs, batch.num_new_tokens, batch.samples)
-                if seq.status is SequenceStatus.RUNNING]
+        """After an advanced batch's forward and sampling: cache its full pages, append the sampled tokens;
+        returns newly finished seqs.
+
+        Seqs that ended since (aborted, failed, or finished by an earlier step while this one ran) are skipped:
+        their token was computed in vain. A seq preempted since keeps its token; it has no pages to cache.
+        """
+        live = [(seq, end, s) for seq, end, s in zip(batch.seqs, batch.ends, batch.samples) if not seq.is_finished]
         missing = [seq.seq_id for seq, _, s in live if s and seq.seq_id not in sampled]
-        if missing:
+        if missing:   # checked before changing anything
             raise ValueError(f"sequences {missing} computed all their tokens but no sampled token was given")
         finished = []
-        for seq, n, samples in live:
-            seq.num_computed_tokens += n
-            self.page_pool.commit(seq)
+        for seq, end, samples in live:
+            if seq.status is SequenceStatus.RUNNING:
+                self.page_pool.commit(seq, end)
             if not samples:
                 continue
             token = sampled[seq.seq_id]
+            seq.num_pending -= 1
             seq.token_ids.append(token)
             reason = self._finish_reason(seq, token)
             if reason is not None:

@@ -22,6 +22,8 @@ class Sequence:
 
     Invariant: tokens [0, num_computed_tokens) have K/V in the pages of block_table, in order; the last
     token of a decoding sequence (the one just sampled) is never computed yet.
+    Under overlap scheduling a token may be sampled on the device but not yet known on the host: it is
+    counted in num_pending (and in num_tokens), not in token_ids, until the engine postprocesses its step.
     """
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
@@ -39,7 +41,8 @@ class Sequence:
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
         self.chunk_sizes = chunk_sizes
-        self.token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)   # the tokens known on the host
+        self.num_pending = 0                      # tokens after them, sampled by steps not yet postprocessed
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_preemptions = 0
@@ -56,7 +59,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -64,6 +67,7 @@ class Sequence:
 
     @property
     def num_generated_tokens(self) -> int:
+        """Generated tokens known on the host (pending ones not counted)."""
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
@@ -72,7 +76,12 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def pending_is_last(self) -> bool:
+        """A pending token is the max_tokens-th: the sequence ends when it lands, whatever it is."""
+        return self.num_pending > 0 and self.num_tokens - self.num_prompt_tokens >= self.sampling_params.max_tokens
 
     @property
     def is_finished(self) -> bool:

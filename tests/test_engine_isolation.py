@@ -1,5 +1,8 @@
 """A bad request or a failing step never hurts the engine: clear errors before anything is queued, faults
-inside a step contained to that step's requests, threads sharing one engine, one EngineConfig."""
+inside a step contained to that step's requests, threads sharing one engine, one EngineConfig.
+
+The engines here schedule with overlap (as on a GPU), so a fault may strike a step while the one before it
+is still in flight; the fault state machine draws the synchronous engine too."""
 import threading
 
 import pytest
@@ -25,7 +28,7 @@ def ckpt():
 
 @pytest.fixture(scope="module")
 def engine(ckpt):
-    return Engine(ckpt, page_size=4, num_pages=40, max_model_len=64)
+    return Engine(ckpt, page_size=4, num_pages=40, max_model_len=64, async_scheduling=True)
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +137,19 @@ def test_a_failing_step_ends_only_its_requests_with_the_error(engine, solo, monk
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == solo
 
 
+@pytest.mark.parametrize("part", ["run", "sample"])
+def test_a_failing_step_leaves_the_step_before_it_whole(engine, solo, monkeypatch, part):
+    """Under overlap the step before a failing one may still be in flight when it fails: that step is
+    postprocessed as if nothing had failed. Here it gives request 0 its last token (request 0 is not in the
+    third step, which fails), and request 1 ends with the tokens of the steps before the failing one."""
+    calls = []
+    fail_on(engine, monkeypatch, part, lambda: calls.append(1) or len(calls) == 3)
+    outs = engine.generate(PROMPTS[:2], [SamplingParams(max_tokens=2, ignore_eos=True), GREEDY])
+    assert (outs[0].token_ids, outs[0].finish_reason) == (solo[0][:2], "length")
+    assert (outs[1].token_ids, outs[1].finish_reason) == (solo[1][:2], "error")
+    assert_idle_and_whole(engine)
+
+
 CONTEXT: dict = {}   # the engine, the solo outputs and the fault switch of the running state machine
 
 
@@ -141,9 +157,9 @@ class FaultyTraffic(RuleBasedStateMachine):
     """Arrivals, steps, aborts and injected faults in any order: a request either finishes with exactly
     the tokens it makes alone, or ends by abort/error with a prefix of them; the pool ends whole."""
 
-    @initialize()
-    def setup(self):
-        self.engine, self.solo = CONTEXT["engine"], CONTEXT["solo"]
+    @initialize(overlap=st.booleans())
+    def setup(self, overlap):
+        self.engine, self.solo = CONTEXT["engines"][overlap], CONTEXT["solo"]
         self.live: dict[int, int] = {}      # request id -> prompt index
         self.got: dict[int, list[int]] = {}
 
@@ -196,12 +212,14 @@ class FaultyTraffic(RuleBasedStateMachine):
 
 def test_injected_faults_never_leak_pages_stall_requests_or_change_other_outputs(monkeypatch):
     # One layer and a small pool: every step is a real forward, so this is the cheapest engine that still
-    # preempts and shares prefix pages.
-    engine = Engine(tiny_checkpoint("qwen3", num_hidden_layers=1), page_size=2, num_pages=24, max_model_len=32)
-    solo = [engine.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
-    CONTEXT.update(engine=engine, solo=solo, fault=None)
-    fail_on(engine, monkeypatch, "run", lambda: CONTEXT["fault"] == "run")
-    fail_on(engine, monkeypatch, "sample", lambda: CONTEXT["fault"] == "sample")
+    # preempts and shares prefix pages. A sync and an overlap-scheduling one; solo outputs from the first.
+    engines = {overlap: Engine(tiny_checkpoint("qwen3", num_hidden_layers=1), page_size=2, num_pages=24,
+                               max_model_len=32, async_scheduling=overlap) for overlap in (False, True)}
+    solo = [engines[False].generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    CONTEXT.update(engines=engines, solo=solo, fault=None)
+    for engine in engines.values():
+        fail_on(engine, monkeypatch, "run", lambda: CONTEXT["fault"] == "run")
+        fail_on(engine, monkeypatch, "sample", lambda: CONTEXT["fault"] == "sample")
     run_state_machine_as_test(FaultyTraffic, settings=settings(max_examples=settings().max_examples,
                                                               stateful_step_count=15))
 

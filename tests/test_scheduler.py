@@ -39,22 +39,37 @@ def alone(prompt, params, eos=()):
 
 
 class Driver:
-    """Runs the fake model over a scheduler's steps and checks each step's batch."""
+    """Runs the fake model over a scheduler's steps and checks each step's batch.
 
-    def __init__(self, sched: Scheduler):
+    overlap=True drives it as the engine's overlap scheduling does: step k+1 is scheduled and "launched"
+    before step k is postprocessed, the fake device knowing the tokens the host does not know yet.
+    """
+
+    def __init__(self, sched: Scheduler, overlap: bool = False):
         self.sched, self.bm = sched, sched.page_pool
+        self.overlap = overlap
         self.kv = {p: [None] * self.bm.page_size for p in range(self.bm.num_pages)}
         self.chunk_ends: dict[int, list[int]] = {}    # prefill step ends of seqs never preempted
         self.steps = 0
         self.preemptions = 0
         self.oversized = 0
+        self.device_tokens: dict[int, list[int]] = {}   # seq id -> sampled tokens not yet postprocessed
+        self.in_flight: tuple[ScheduledBatch, dict[int, int]] | None = None
+
+    def tokens(self, seq) -> list[int]:
+        """The sequence's tokens as the (fake) device knows them: pending ones included."""
+        pending = self.device_tokens.get(seq.seq_id, [])[-seq.num_pending:] if seq.num_pending else []
+        return seq.token_ids + pending
 
     def step(self) -> tuple[ScheduledBatch, list[Sequence]]:
         sched, cfg = self.sched, self.sched.config
         assert sched.has_unfinished()
         batch = sched.schedule()
         self.steps += 1
-        assert not batch.is_empty, "an empty step with unfinished requests: the scheduler is stuck"
+        prev, self.in_flight = self.in_flight, None
+        if batch.is_empty:
+            assert prev is not None, "an empty step with unfinished requests, none in flight: the scheduler is stuck"
+            return batch, self._postprocess(*prev)
         assert len(batch.seqs) == len({s.seq_id for s in batch.seqs})
         assert len(batch.seqs) <= cfg.max_num_seqs and len(sched.running) <= cfg.max_num_seqs
         if batch.num_tokens > cfg.max_num_batched_tokens:
@@ -70,25 +85,41 @@ class Driver:
         for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
             self._check_and_write(seq, n)
             if samples:
-                sampled[seq.seq_id] = fake_next_token(seq.token_ids)
-        return batch, sched.postprocess(batch, sampled)
+                sampled[seq.seq_id] = fake_next_token(self.tokens(seq))
+        sched.advance(batch)
+        for seq_id, token in sampled.items():
+            self.device_tokens.setdefault(seq_id, []).append(token)
+        if not self.overlap:
+            return batch, self._postprocess(batch, sampled)
+        self.in_flight = batch, sampled
+        return batch, self._postprocess(*prev) if prev else []
+
+    def _postprocess(self, batch, sampled) -> list[Sequence]:
+        finished = self.sched.postprocess(batch, sampled)
+        for page in self.bm.pages:   # a cached page holds the tokens its K/V was computed from, all of them
+            if page.hash is not None:
+                assert page.token_ids == tuple(kv[-1] for kv in self.kv[page.page_id]), f"page {page.page_id}"
+        return finished
 
     def _check_and_write(self, seq, n):
         bm = self.bm
         assert seq.status is SequenceStatus.RUNNING and n >= 1
         assert seq.num_computed_tokens + n <= seq.num_tokens
+        assert seq.num_computed_tokens + n < seq.num_prompt_tokens + seq.sampling_params.max_tokens, \
+            "a token past the last one was computed: more pages than check_fits allows for"
         assert len(seq.block_table) >= bm.pages_needed(seq.num_computed_tokens + n)
         if seq.follows_chunk_sizes():
             assert seq.num_computed_tokens + n == seq.next_chunk_end(), "a caller chunk was split or merged"
         if seq.num_preemptions == 0 and seq.num_computed_tokens < seq.num_prompt_tokens:
             self.chunk_ends.setdefault(seq.seq_id, []).append(seq.num_computed_tokens + n)
+        tokens = self.tokens(seq)
         for pos in range(seq.num_computed_tokens):
             got = self.kv[seq.block_table[pos // bm.page_size]][pos % bm.page_size]
-            assert got == tuple(seq.token_ids[:pos + 1]), f"{seq} reads wrong K/V at position {pos}"
+            assert got == tuple(tokens[:pos + 1]), f"{seq} reads wrong K/V at position {pos}"
         for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
             page = seq.block_table[pos // bm.page_size]
             assert bm.pages[page].ref_count == 1, f"{seq} writes into shared page {page}"
-            self.kv[page][pos % bm.page_size] = tuple(seq.token_ids[:pos + 1])
+            self.kv[page][pos % bm.page_size] = tuple(tokens[:pos + 1])
 
     def run(self, max_steps=10_000):
         finished = []
@@ -146,16 +177,18 @@ def workloads(draw):
     return page_size, max_tokens, requests, num_pages, budget, max_seqs, eos, abort
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @settings(max_examples=10 * settings().max_examples)
 @given(workloads())
 @example((1, 3, [([1, 2, 3], [1, 1, 1], 0, False), ([1, 2, 3, 4], None, 1, False)], 6, 2, 2, (), None))
 @example((4, 2, [([1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 5], 0, False), ([1, 2, 3, 4, 5, 6, 7, 8, 9, 3], [9, 1], 3, True)],
           3, 3, 2, (3,), None))
-def test_every_request_produces_what_it_produces_alone(workload):
-    """Budget, seq cap, caller chunks, preemption, prefix reuse and aborts never change a request's output."""
+def test_every_request_produces_what_it_produces_alone(overlap, workload):
+    """Budget, seq cap, caller chunks, preemption, prefix reuse, aborts and overlap scheduling never change a
+    request's output."""
     page_size, max_tokens, requests, num_pages, budget, max_seqs, eos, abort = workload
     sched = make(num_pages, page_size, budget, max_seqs, eos)
-    driver = Driver(sched)
+    driver = Driver(sched, overlap)
     seqs = [Sequence(i, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), chunks)
             for i, (prompt, chunks, _, ignore_eos) in enumerate(requests)]
     arrivals = sorted(range(len(seqs)), key=lambda i: requests[i][2])
@@ -193,11 +226,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     """Requests arrive, steps run, requests are aborted at any point; the rest still produce their own output."""
 
     @initialize(page_size=st.integers(1, 4), extra_pages=st.integers(0, 6), budget=st.integers(1, 12),
-                max_seqs=st.integers(1, 4))
-    def setup(self, page_size, extra_pages, budget, max_seqs):
+                max_seqs=st.integers(1, 4), overlap=st.booleans())
+    def setup(self, page_size, extra_pages, budget, max_seqs, overlap):
         # Room for the longest request (9 + 4 prompt tokens, max_tokens 6) and a few pages more.
         self.sched = make(-(-18 // page_size) + extra_pages, page_size, budget, max_seqs, eos=(3,))
-        self.driver = Driver(self.sched)
+        self.driver = Driver(self.sched, overlap)
         self.all: list[Sequence] = []
 
     @rule(data=st.data())
@@ -372,6 +405,7 @@ def test_abort_between_schedule_and_postprocess_skips_the_aborted_sequence():
     batch = sched.schedule()
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
         driver._check_and_write(seq, n)
+    sched.advance(batch)
     sched.abort(0)
     finished = sched.postprocess(batch, {1: fake_next_token(b.token_ids)})
     assert finished == [] and a.completion_token_ids == [] and b.num_computed_tokens == 3
@@ -425,6 +459,8 @@ def test_bad_inputs_raise_value_error_naming_the_value():
     with pytest.raises(ValueError, match="id 1"):
         sched.add(Sequence(1, [3], SamplingParams(max_tokens=1)))
     batch = sched.schedule()
+    sched.advance(batch)
     with pytest.raises(ValueError, match=r"sequences \[1\]"):
         sched.postprocess(batch, {})
-    assert sched.seqs[1].num_computed_tokens == 0, "a rejected postprocess changed state"
+    seq = sched.seqs[1]
+    assert (seq.token_ids, seq.num_pending) == ([1, 2], 1), "a rejected postprocess changed state"
