@@ -54,8 +54,7 @@ class EngineConfig:
                                              # (no split-KV then, so split_kv_threshold/split_size/cascade do not apply)
     tensor_parallel_size: int = 1            # ranks (one process and device each) sharding the model, Megatron-style
     async_scheduling: bool | None = None     # overlap: prepare step k+1 while the device runs step k; None: on
-                                             # with CUDA on one device (on CPU the host is the device: nothing to
-                                             # overlap; tensor-parallel workers would need the device's tokens)
+                                             # with CUDA (on CPU the host is the device: nothing to overlap)
     path: Path = field(init=False, repr=False)                 # the checkpoint directory
     model_config: ModelConfig = field(init=False, repr=False)
 
@@ -92,11 +91,7 @@ class EngineConfig:
         set_("model_config", model_config)
         _check_tensor_parallel(self)
         if self.async_scheduling is None:
-            set_("async_scheduling", self.device.type == "cuda" and self.tensor_parallel_size == 1)
-        elif self.async_scheduling and self.tensor_parallel_size > 1:
-            # The workers run step k+1 with step k's tokens, which exist only on rank 0's device.
-            raise ValueError(f"async_scheduling=True is not supported with tensor_parallel_size="
-                             f"{self.tensor_parallel_size} yet; leave it unset or False")
+            set_("async_scheduling", self.device.type == "cuda")
 
     @property
     def max_pages_per_seq(self) -> int:

@@ -290,9 +290,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_host(self, host: HostStep) -> None:
-        """A tensor-parallel worker's part of rank 0's step: its block-table writes, then the forward."""
+        """A tensor-parallel worker's part of rank 0's step: its block-table writes, then the forward. Every rank
+        has the whole (gathered) logits and takes their argmax as rank 0 does, so under overlap a worker feeds
+        pending tokens from its own device, bit for bit rank 0's."""
         self.tables.apply(host.table_updates, host.table_rows)
-        self.forward(host)
+        self.last_tokens = torch.argmax(self.forward(host), dim=-1)
 
     def forward(self, host: HostStep) -> torch.Tensor:
         """Logits of a prepared step: a CUDA graph replay for decode-only steps that fit one, else eager

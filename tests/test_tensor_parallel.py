@@ -68,7 +68,9 @@ def case(request, tmp_path_factory):
     if request.param in ("mha", "gqa"):
         ckpt = with_random_biases(ckpt, tmp_path_factory.mktemp("biased") / ckpt.name)
     kw = dict(ENGINE_KW, num_pages=NUM_PAGES[request.param])
-    with Engine(ckpt, tensor_parallel_size=2, **kw) as tp:
+    # Overlap scheduling (the GPU default; off by default on CPU): each worker feeds step k+1 with the tokens it
+    # took itself from step k's gathered logits. The TP=1 engine runs synchronously.
+    with Engine(ckpt, tensor_parallel_size=2, async_scheduling=True, **kw) as tp:
         yield request.param, ckpt, tp, Engine(ckpt, **kw), reference.Engine(ckpt, max_model_len=64)
 
 

@@ -23,7 +23,6 @@ import pytest
 
 import reference
 from chunkwise.checkpoints import tiny_checkpoint
-from chunkwise.engine_config import EngineConfig
 from optimized import Engine, SamplingParams
 from optimized.workers import TensorParallelError
 
@@ -237,10 +236,3 @@ def test_deterministic_mode_is_refused_past_two_ranks(tmp_path):
     with pytest.raises(ValueError, match="deterministic=True supports tensor_parallel_size up to 2, got 4"):
         Engine(path, tensor_parallel_size=4, deterministic=True)
 
-
-def test_overlap_scheduling_is_off_by_default_and_refused_with_several_ranks(tmp_path):
-    path = write_config(tmp_path)
-    with pytest.raises(ValueError, match=r"async_scheduling=True is not supported with tensor_parallel_size=2 yet"):
-        Engine(path, tensor_parallel_size=2, async_scheduling=True)
-    config = EngineConfig(path, tensor_parallel_size=2)
-    assert config.async_scheduling is False
