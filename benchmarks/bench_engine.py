@@ -264,41 +264,38 @@ def test_optimized_engine(benchmark, ckpt, case, ceilings, cost):
     assert not timed_compiles, f"the timed run compiled Triton kernels: {timed_compiles}"
 
 
-def test_deterministic_engine(benchmark, ckpt, case, ceilings, cost):
-    """Engine(deterministic=True) on the same workload, after a first run that compiles what it uses."""
+def _variant(benchmark, ckpt, case, cost, ceilings, breakdown_as: str | None = None,
+             **overrides) -> tuple[int, float, float | None]:
+    """Engine(**overrides) on the case's workload, timed after a first run that compiles what it uses: its tokens
+    and seconds, and the default engine's tok/s from the same session (None if that did not run)."""
     name, spec, w, roof = case
     gc.collect()
     torch.cuda.empty_cache()
-    eng = engine_for(ckpt, spec, deterministic=True)
+    eng = engine_for(ckpt, spec, **overrides)
     try:
         run_engine(eng, make_workload(spec, QWEN3_0_6B_SHAPE["vocab_size"], seed=1))
         tokens, seconds = benchmark.pedantic(run_engine, args=(eng, w), rounds=1, iterations=1)
+        if BREAKDOWN and breakdown_as is not None:
+            breakdown(name, breakdown_as, eng, spec, cost, ceilings)
     finally:
         del eng
         gc.collect()
         torch.cuda.empty_cache()
-    default = RESULTS[name].get("optimized", {}).get("tokens_per_s")
-    record(name, "deterministic", tokens, seconds, roof, benchmark,
+    return tokens, seconds, RESULTS[name].get("optimized", {}).get("tokens_per_s")
+
+
+def test_deterministic_engine(benchmark, ckpt, case, ceilings, cost):
+    """Engine(deterministic=True) on the same workload."""
+    tokens, seconds, default = _variant(benchmark, ckpt, case, cost, ceilings, deterministic=True)
+    record(case[0], "deterministic", tokens, seconds, case[3], benchmark,
            vs_default=round(tokens / seconds / default, 3) if default else None)
 
 
 def test_sync_scheduling_engine(benchmark, ckpt, case, ceilings, cost):
-    """Engine(async_scheduling=False) on the same workload, after a first run that compiles what it uses."""
-    name, spec, w, roof = case
-    gc.collect()
-    torch.cuda.empty_cache()
-    eng = engine_for(ckpt, spec, async_scheduling=False)
-    try:
-        run_engine(eng, make_workload(spec, QWEN3_0_6B_SHAPE["vocab_size"], seed=1))
-        tokens, seconds = benchmark.pedantic(run_engine, args=(eng, w), rounds=1, iterations=1)
-        if BREAKDOWN:
-            breakdown(name, "sync_scheduling", eng, spec, cost, ceilings)
-    finally:
-        del eng
-        gc.collect()
-        torch.cuda.empty_cache()
-    default = RESULTS[name].get("optimized", {}).get("tokens_per_s")
-    record(name, "sync_scheduling", tokens, seconds, roof, benchmark,
+    """Engine(async_scheduling=False) on the same workload: what overlap scheduling gains."""
+    tokens, seconds, default = _variant(benchmark, ckpt, case, cost, ceilings, breakdown_as="sync_scheduling",
+                                        async_scheduling=False)
+    record(case[0], "sync_scheduling", tokens, seconds, case[3], benchmark,
            default_vs_sync=round(default / (tokens / seconds), 3) if default else None)
 
 
