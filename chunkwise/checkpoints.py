@@ -22,8 +22,9 @@ REAL_NAMES = tuple(real_checkpoints.CHECKPOINTS)
 FAMILY_ALIASES = {"gemma3": "gemma3_text"}
 
 # Bump when the factory's defaults or output change, so stale cached directories are not reused.
-# (2: directories are built through cached_dir, with its marker file.)
-_FACTORY_VERSION = 2
+# (2: directories are built through cached_dir, with its marker file; 3: random norm weights and biases.)
+_FACTORY_VERSION = 3
+NORM_WEIGHT_STD = 0.1   # transformers initialises norm weights to 1 (Gemma's to 0) and biases to 0
 
 _COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
@@ -81,6 +82,12 @@ def _write_tiny(family: str, seed: int, kw: dict, out: Path) -> None:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     with torch.no_grad():
+        # Norm weights and biases are drawn too, not left at transformers' constant init: an engine that
+        # swapped q_norm with k_norm, or added a bias twice, would otherwise compute the same numbers.
+        gen = torch.Generator().manual_seed(seed + 1)
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") or (name.endswith("norm.weight") and name != "model.norm.weight"):
+                p.add_(NORM_WEIGHT_STD * torch.randn(p.shape, generator=gen, dtype=p.dtype))
         # A large final-norm weight scales the logits, widening top-2 margins without changing argmax.
         # Gemma applies the weight as (1 + w), so 7 there is the same factor 8.
         model.model.norm.weight.fill_(7.0 if family == "gemma3_text" else 8.0)
