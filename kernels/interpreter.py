@@ -25,35 +25,34 @@ def speed_up() -> bool:
     patch = getattr(interpreter, "_patch_lang", None)
     if patch is None or getattr(patch, "_chunkwise", False):
         return patch is not None
-    if list(inspect.signature(patch).parameters) != ["fn"] or not hasattr(interpreter, "_LangPatchScope"):
+    if list(inspect.signature(patch).parameters) != ["fn"] or not all(
+            hasattr(interpreter, name) for name in ("_LangPatchScope", "GridExecutor")):
         return False
-    active: list[frozenset] = []   # per running launch: the language modules its patch covers
+    active: list[set] = []   # per running launch: the language modules patched during it
+    run = interpreter.GridExecutor.__call__
 
     @functools.lru_cache(maxsize=None)   # jit functions live as long as their modules
     def langs(fn) -> frozenset:
         return frozenset(id(v) for v in fn.__globals__.values()
                          if inspect.ismodule(v) and v in (interpreter.tl, interpreter.tl.core))
 
+    def launch(self, *args, **kwargs):
+        active.append(set())
+        try:
+            return run(self, *args, **kwargs)   # patches, runs the grid, restores its own patch
+        finally:
+            active.pop()
+
     def patch_lang(fn):
         mods = langs(fn)
-        caller = inspect.currentframe().f_back
-        is_launch = caller is not None and caller.f_code.co_name == "__call__" and \
-            isinstance(caller.f_locals.get("self"), interpreter.GridExecutor)
-        if not is_launch and active and mods <= active[-1]:
-            return interpreter._LangPatchScope()   # already patched by the running launch: nothing to do
+        if active and mods <= active[-1]:
+            return interpreter._LangPatchScope()   # already patched in this launch: nothing to do
         scope = patch(fn)
-        if not is_launch and active:   # a helper's patch outlives its call (Triton never restores it)
+        if active:   # the launch's own patch, or a helper's, which outlives its call (Triton never restores it)
             active[-1] |= mods
-        if is_launch:
-            active.append(mods)
-            restore = scope.restore
-
-            def restore_and_pop():
-                active.pop()
-                restore()
-            scope.restore = restore_and_pop
         return scope
 
     patch_lang._chunkwise = True
     interpreter._patch_lang = patch_lang
+    interpreter.GridExecutor.__call__ = launch
     return True
