@@ -211,16 +211,10 @@ class Engine:
             if prev is None and self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler made no progress with unfinished requests queued")
             return self._postprocess(prev)
-        try:
-            step = _Step(batch, self.runner.run(batch))
-        except TensorParallelError as exc:   # not containable: the workers are gone
-            self._close(f"a tensor-parallel step failed: {exc}")
-            raise
-        except Exception as exc:   # contained: only this step's requests end, with the error on them
+        launched, exc = self._guarded(self.runner.run, batch)
+        if exc is not None:   # contained: only this step's requests end, with the error on them
             return self._postprocess(prev) + self._fail(batch, exc)
-        except BaseException:
-            self._interrupted()
-            raise
+        step = _Step(batch, launched)
         self.scheduler.advance(batch)
         outs = self._postprocess(prev)
         if self.engine_config.async_scheduling and step.can_overlap:
@@ -233,16 +227,10 @@ class Engine:
         if step is None:
             return []
         batch, launched = step
-        try:
-            tokens, logprobs = self.runner.sample(launched)
-        except TensorParallelError as exc:
-            self._close(f"a tensor-parallel step failed: {exc}")
-            raise
-        except Exception as exc:   # contained as in `_step`
+        result, exc = self._guarded(self.runner.sample, launched)
+        if exc is not None:   # contained as in `_step`
             return self._fail(batch, exc)
-        except BaseException:
-            self._interrupted()
-            raise
+        tokens, logprobs = result
         sampled = [s for s in launched.seqs if s.seq_id in tokens]   # those that ended since are skipped
         finished = {s.seq_id for s in self.scheduler.postprocess(batch, tokens)}
         results = []
@@ -261,10 +249,21 @@ class Engine:
         step, self._in_flight = self._in_flight, None
         return self._postprocess(step)
 
-    def _interrupted(self) -> None:
-        """KeyboardInterrupt inside a tensor-parallel step has stopped the workers: the engine closes too."""
-        if self._workers is not None and self._workers.error is not None:
-            self._close(f"interrupted inside a tensor-parallel step: {self._workers.error}")
+    def _guarded(self, fn, arg):
+        """(fn(arg), None), or (None, the exception) for a failure the step can contain. A tensor-parallel failure
+        cannot be contained (the workers are gone): it closes the engine and goes on, as does a KeyboardInterrupt
+        that stopped the workers inside a tensor-parallel step."""
+        try:
+            return fn(arg), None
+        except TensorParallelError as exc:
+            self._close(f"a tensor-parallel step failed: {exc}")
+            raise
+        except Exception as exc:
+            return None, exc
+        except BaseException:
+            if self._workers is not None and self._workers.error is not None:
+                self._close(f"interrupted inside a tensor-parallel step: {self._workers.error}")
+            raise
 
     def _fail(self, batch: ScheduledBatch, exc: Exception) -> list[StepOutput]:
         error = f"{type(exc).__name__}: {exc}"
