@@ -23,4 +23,8 @@ def check_logprobs_close(opt, ref, label: str) -> int:
         gap = lp_ref[b] - lp_ref[a]
         assert gap < MAX_DIVERGENCE_GAP, f"{label}: at token {pos} the reference preferred {b} over {a} by {gap:.3f}"
         return pos
+    # No divergence: the two texts must also end together (one stopping early is no near-tie).
+    assert len(opt.token_ids) == len(ref.token_ids), (
+        f"{label}: agreed on all {min(len(opt.token_ids), len(ref.token_ids))} common tokens, but optimized made "
+        f"{len(opt.token_ids)} and the reference {len(ref.token_ids)}")
     return len(opt.token_ids)
