@@ -26,7 +26,8 @@ FAMILY_ALIASES = {"gemma3": "gemma3_text"}
 _FACTORY_VERSION = 3
 NORM_WEIGHT_STD = 0.1   # transformers initialises norm weights to 1 (Gemma's to 0) and biases to 0
 
-_COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+TINY_VOCAB_SIZE = 384   # ids 0..2 are pad, bos and eos
+_COMMON = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
                rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 

@@ -39,6 +39,13 @@ def random_prompt():
 
 
 @pytest.fixture(scope="session")
+def ckpt():
+    """The tiny Qwen3 checkpoint most engine tests run: q/k-norm, GQA 4/2, two layers (so layer 1's K/V depend on
+    attention). A test module needing another model defines its own `ckpt`."""
+    return tiny_checkpoint("qwen3")
+
+
+@pytest.fixture(scope="session")
 def tiny_ckpt():
     """tiny_ckpt(family, seed=0, **overrides) -> checkpoint directory (see chunkwise.checkpoints)."""
     return tiny_checkpoint

@@ -6,12 +6,11 @@ import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
 
-from chunkwise.checkpoints import tiny_checkpoint
+from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from deterministic_cases import Arrival, Case, assert_bitwise, cases, run_case, solo_run
 from kernels import matmul, matmul_ref
 from optimized import Engine
 
-VOCAB = 384
 PROMPT_LENS = [13, 6, 9, 70]   # the last one only in LONG
 MAX_TOKENS = 5
 MAX_MODEL_LEN = 80
@@ -27,10 +26,6 @@ MIXED = Case(page_size=1, max_num_batched_tokens=40, max_num_seqs=3, num_pages=N
 LONG = Case(page_size=5, max_num_batched_tokens=80, max_num_seqs=2, num_pages=None, prefix_caching=False,
             split_kv_threshold=0, arrivals=(Arrival(3, 0, None), Arrival(1, 0, None)), readback_chunks=(64, 10))
 
-
-@pytest.fixture(scope="module")
-def ckpt():
-    return tiny_checkpoint("qwen3")   # q/k-norm, GQA 4/2, two layers: K/V of layer 1 depend on attention
 
 
 @pytest.fixture(scope="module")

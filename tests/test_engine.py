@@ -2,16 +2,11 @@
 import pytest
 import torch
 
-from chunkwise.checkpoints import tiny_checkpoint
 from optimized import Engine, SamplingParams
 
 PROMPTS = [[5, 9, 14, 3, 22, 8, 17], [5, 9, 14, 3, 40, 41], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]]
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
-
-@pytest.fixture(scope="module")
-def ckpt():
-    return tiny_checkpoint("qwen3")
 
 
 @pytest.fixture(scope="module")

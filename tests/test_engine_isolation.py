@@ -12,18 +12,14 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  run_state_machine_as_test)
 
 import reference
+from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from chunkwise.checkpoints import tiny_checkpoint
 from chunkwise.engine_config import REFERENCE_IGNORED, EngineConfig
 from optimized import Engine, SamplingParams
 
-VOCAB = 384
 PROMPTS = [[5, 9, 14, 3, 22, 8, 17], [5, 9, 14, 3, 40, 41], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70], [7, 7]]
 GREEDY = SamplingParams(max_tokens=5, ignore_eos=True)
 
-
-@pytest.fixture(scope="module")
-def ckpt():
-    return tiny_checkpoint("qwen3")
 
 
 @pytest.fixture(scope="module")

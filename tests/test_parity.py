@@ -23,6 +23,7 @@ from parity_report import (assert_kv_close, assert_logprobs_match_reference, ass
                            first_divergence)
 
 import reference
+from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from chunkwise.checkpoints import tiny_checkpoint
 from optimized import Engine, SamplingParams
 
@@ -32,7 +33,6 @@ torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3_text"]
-VOCAB = 384                  # the tiny factory's vocabulary
 MAX_MODEL_LEN = 320
 # The kernels' float32 tiles for head_dim <= 128 (kernels/paged_attention.py tile_config, split_kv.py
 # split_tile_config): 64 keys per KV tile in both, 64 query rows (64 // group tokens) per attention block.

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import reference
+from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from chunkwise.checkpoints import tiny_checkpoint
 from optimized import Engine, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
-VOCAB = 384
 
 
 def random_params(rng: random.Random) -> SamplingParams:

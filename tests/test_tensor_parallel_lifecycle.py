@@ -22,7 +22,6 @@ import psutil
 import pytest
 
 import reference
-from chunkwise.checkpoints import tiny_checkpoint
 from optimized import Engine, SamplingParams
 from optimized.workers import TensorParallelError
 
@@ -31,10 +30,6 @@ GREEDY = SamplingParams(max_tokens=3, ignore_eos=True)
 KW = dict(page_size=4, num_pages=32, max_model_len=64, tensor_parallel_size=2)
 HANG_S = 60
 
-
-@pytest.fixture(scope="module")
-def ckpt():
-    return tiny_checkpoint("qwen3")
 
 
 def worker_pids(eng) -> list[int]:
