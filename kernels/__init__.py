@@ -21,14 +21,12 @@ if INTERPRET:
 from kernels.cascade import CascadeGroups, cascade_decode, cascade_decode_ref, cascade_groups  # noqa: E402
 from kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
 from kernels.split_kv import merge_splits_ref, split_kv_decode, split_kv_decode_ref  # noqa: E402
-from kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
 from kernels.fused_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
 from kernels.rope_store import rope_cos_sin, rope_store, rope_store_ref  # noqa: E402
 from kernels.activation import act_and_mul, act_and_mul_ref  # noqa: E402
 from kernels.matmul import matmul, matmul_ref  # noqa: E402
 
 __all__ = [
-    "store_kv", "store_kv_ref",
     "paged_attention", "paged_attention_ref",
     "split_kv_decode", "split_kv_decode_ref", "merge_splits_ref",
     "CascadeGroups", "cascade_groups", "cascade_decode", "cascade_decode_ref",

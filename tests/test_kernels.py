@@ -1,4 +1,4 @@
-"""store_kv and paged_attention against their PyTorch references, and the bitwise invariance of attention rows.
+"""paged_attention against its PyTorch reference, and the bitwise invariance of attention rows.
 
 Runs on CPU through Triton's interpreter (float32, float16 and bfloat16) and on a GPU alike; sizes stay small because
 the interpreter is slow. Production sizes live in test_kernels_gpu.py.
@@ -8,8 +8,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kernels import paged_attention, paged_attention_ref, store_kv, store_kv_ref
-from kernels.store_kv import store_block_tokens
+from kernels import paged_attention, paged_attention_ref
 from kernels.testing import DTYPES, TOLERANCE, paginate, query_start_loc, random_kv, rising_scores
 
 pytestmark = pytest.mark.correctness
@@ -19,45 +18,6 @@ MORE = settings(max_examples=3 * settings.default.max_examples)
 # (num_heads, num_kv_heads): MHA, GQA (incl. Qwen2.5-0.5B's 14/2), MQA (incl. an odd group of 5).
 HEADS = [(4, 4), (8, 2), (14, 2), (4, 1), (5, 1), (6, 3)]
 HEAD_DIMS = [64, 64, 80, 96, 128, 256]
-
-
-@given(page_size=st.integers(1, 64), num_kv_heads=st.integers(1, 4), head_dim=st.sampled_from(HEAD_DIMS),
-       whole_blocks=st.integers(0, 2), extra_tokens=st.integers(-2, 20), dtype=st.sampled_from(DTYPES),
-       cache_dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
-@example(page_size=16, num_kv_heads=2, head_dim=64, whole_blocks=2, extra_tokens=0, dtype=torch.float32,
-         cache_dtype=torch.float32, seed=0)
-@example(page_size=7, num_kv_heads=3, head_dim=80, whole_blocks=1, extra_tokens=1, dtype=torch.float16,
-         cache_dtype=torch.float32, seed=1)
-@example(page_size=5, num_kv_heads=2, head_dim=64, whole_blocks=0, extra_tokens=20, dtype=torch.float32,
-         cache_dtype=torch.bfloat16, seed=2)
-def test_store_kv_writes_every_token_to_its_slot_and_skips_padding(
-        page_size, num_kv_heads, head_dim, whole_blocks, extra_tokens, dtype, cache_dtype, seed, device):
-    """Token counts around multiples of the kernel's block: exactly full blocks (pinned: two), one token
-    into a further block (pinned), a few short of a block boundary, and fewer than one block; and float32 keys
-    rounded into a bfloat16 cache (pinned: to nearest even, as torch rounds)."""
-    num_tokens = max(1, whole_blocks * store_block_tokens(num_kv_heads, head_dim, device) + extra_tokens)
-    gen = torch.Generator().manual_seed(seed)
-    num_pages = num_tokens // page_size + 3
-    slots = torch.randperm(num_pages * page_size, generator=gen)[:num_tokens]
-    slots[torch.rand(num_tokens, generator=gen) < 0.2] = -1
-    key, value = (t.to(device) for t in random_kv(num_tokens, num_kv_heads, head_dim, dtype, gen))
-    k_cache = torch.randn(num_pages, page_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype).to(device)
-    v_cache = torch.randn(k_cache.shape, generator=gen).to(cache_dtype).to(device)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    k_before = k_cache.clone()
-    slots = slots.to(device)
-
-    store_kv(key, value, k_cache, v_cache, slots)
-    store_kv_ref(key, value, k_ref, v_ref, slots)
-
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
-    written = slots >= 0
-    flat = k_cache.view(-1, num_kv_heads, head_dim)
-    assert torch.equal(flat[slots[written]], key[written].to(cache_dtype))
-    untouched = torch.ones(flat.shape[0], dtype=torch.bool, device=device)
-    untouched[slots[written]] = False
-    # Against the cache before the store (k_ref equals k_cache by now, so comparing to it could not fail).
-    assert torch.equal(flat[untouched], k_before.view(-1, num_kv_heads, head_dim)[untouched])
 
 
 def _run_batch(fn, cache, qs, q_lens, seq_lens, scale, window):
@@ -198,13 +158,3 @@ def test_paged_attention_rejects_bad_arguments_naming_them(change, match):
     for fn in (paged_attention, paged_attention_ref):
         with pytest.raises(ValueError, match=match):
             fn(**args)
-
-
-def test_store_kv_rejects_mismatched_shapes_naming_them():
-    k_cache = torch.zeros(4, 2, 2, 64)
-    key = torch.randn(3, 2, 64)
-    with pytest.raises(ValueError, match="slot_mapping shape \\(2,\\)"):
-        store_kv(key, key, k_cache, k_cache.clone(), torch.zeros(2, dtype=torch.int64))
-    with pytest.raises(ValueError, match="cache heads/dim \\(2, 64\\) != key heads/dim \\(3, 64\\)"):
-        store_kv(torch.randn(3, 3, 64), torch.randn(3, 3, 64), k_cache, k_cache.clone(),
-                 torch.zeros(3, dtype=torch.int64))

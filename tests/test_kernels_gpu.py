@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels import (cascade_decode, cascade_groups, paged_attention, paged_attention_ref, split_kv_decode,
-                     split_kv_decode_ref, store_kv, store_kv_ref)
+                     split_kv_decode_ref)
 from kernels.testing import paginate, query_start_loc, random_kv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.correctness]
@@ -143,18 +143,3 @@ def test_split_kv_merge_is_race_free_and_cascade_is_bitwise_split_kv_at_producti
     assert torch.equal(cascade, runs[0])
     ref = split_kv_decode_ref(q.float(), *args[1:], 128 ** -0.5, sliding_window=window)
     assert _rel_err(runs[0], ref) < REL_BOUND[dtype]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens", [8192, 8189])  # whole blocks of tokens, and a partial last block
-def test_store_kv_matches_reference_for_thousands_of_tokens(dtype, num_tokens):
-    gen = torch.Generator().manual_seed(5)
-    key, value = random_kv(num_tokens, 8, 128, dtype, gen, "cuda")
-    k_cache = torch.randn(600, 16, 8, 128, generator=gen).to(dtype).cuda()
-    v_cache = torch.randn_like(k_cache)
-    slots = torch.randperm(600 * 16, generator=gen)[:num_tokens].cuda()
-    slots[::97] = -1
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    store_kv(key, value, k_cache, v_cache, slots)
-    store_kv_ref(key, value, k_ref, v_ref, slots)
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
