@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_tile import (LOG2E, attend_ref, attend_tiles, cast, check_cache, check_window, gather_kv_ref,
-                                    precision_for)
+                                    pages_per_tile, precision_for)
 
 
 def tile_config(head_dim, group, dtype):
@@ -83,9 +83,11 @@ def _paged_attention_kernel(
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
 ):
-    block_idx = tl.program_id(0)
+    # Last query blocks first: a sequence's later blocks see more keys, so the longest programs start first
+    # and the short ones fill the tail.
+    block_idx = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     s = _find_sequence(query_start_loc_ptr, num_seqs, block_idx, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + s)
@@ -121,21 +123,20 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     table = block_tables_ptr + s.to(tl.int64) * stride_bt
-    # Per-position page lookup (PAGES_PER_TILE 0): the per-tile one was only measured for split-KV decode.
     m_i, l_i, acc = attend_tiles(
         q, q_pos, m_i, l_i, acc, t_start, full_lo, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
         kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
-        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True, 0,
+        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True, PAGES_PER_TILE,
     )
     m_i, l_i, acc = attend_tiles(
         q, q_pos, m_i, l_i, acc, full_lo, full_hi, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
         kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
-        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, False, 0,
+        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, False, PAGES_PER_TILE,
     )
     m_i, l_i, acc = attend_tiles(
         q, q_pos, m_i, l_i, acc, full_hi, t_end, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
         kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
-        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True, 0,
+        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True, PAGES_PER_TILE,
     )
     # Padding rows see no key (l_i = 0); only they would divide by zero, and they are not stored.
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -168,6 +169,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
         PAGE_SIZE=k_cache.shape[1], GROUP=group, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None, PRECISION=precision_for(q.dtype),
+        PAGES_PER_TILE=pages_per_tile(k_cache.shape[1], block_n),
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
     )
     return out
