@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.attention_tile import INTERPRET  # noqa: E402
+from kernels.tiling import INTERPRET  # noqa: E402
 from kernels.interpreter import speed_up  # noqa: E402
 
 if INTERPRET:

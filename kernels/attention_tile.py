@@ -6,58 +6,14 @@ is fully masked for a row leaves that row's state bitwise unchanged, so a row's 
 own position and the cache, not on which other rows share its program (chunking, batch, page size).
 """
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.tiling import cast, dot
+
 LOG2E = 1.4426950408889634
-
-# Triton's CPU interpreter, read once at import as Triton reads it (kernels/__init__ sets it first). There
-# `tl.dot` is the host BLAS's matmul, whose rounding of a row can depend on the row's place in the tile
-# (OpenBLAS's Haswell kernel does), and bfloat16 is raw uint16 bits that arithmetic and `.to` get wrong.
-INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"))
-INTERPRET_MAX_NUMEL = tl.constexpr(2 ** 20)  # Triton's cap on a tensor's elements
-
-
-@triton.jit
-def dot(a, b, PRECISION: tl.constexpr):
-    """a [M, K] @ b [K, N] -> float32 [M, N]. GPU: tl.dot. Interpreter: every product in float32 (bf16 and fp16
-    operands upcast exactly) and each output element reduced by numpy alone, so a row's result depends on that
-    row's values only, never on its place in the tile or on the host BLAS."""
-    if INTERPRET:
-        a = a.to(tl.float32)
-        bt = tl.trans(b.to(tl.float32))  # [N, K]: the products' reduction runs along numpy's contiguous axis
-        if a.shape[0] * a.shape[1] * bt.shape[0] > INTERPRET_MAX_NUMEL:
-            # [M, N, K] products exceed Triton's tensor limit (128-wide 16-bit tiles): even and odd k separately.
-            a0, a1 = tl.split(tl.reshape(a, [a.shape[0], a.shape[1] // 2, 2]))
-            b0, b1 = tl.split(tl.reshape(bt, [bt.shape[0], bt.shape[1] // 2, 2]))
-            c = tl.sum(a0[:, None, :] * b0[None, :, :], 2) + tl.sum(a1[:, None, :] * b1[None, :, :], 2)
-        else:
-            c = tl.sum(a[:, None, :] * bt[None, :, :], 2)
-    else:
-        c = tl.dot(a, b, input_precision=PRECISION)
-    return c
-
-
-@triton.jit
-def cast(x, dtype: tl.constexpr):
-    """x.to(dtype), rounding to nearest even as the GPU does. The interpreter truncates float -> bfloat16, so
-    there the rounding is done on the float32 bits (NaN stays NaN)."""
-    if INTERPRET:
-        if dtype == tl.bfloat16 and x.dtype != tl.bfloat16:
-            x32 = x.to(tl.float32)
-            bits = x32.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            bits = tl.where(x32 != x32, 0x7FC0, bits)
-            y = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        else:
-            y = x.to(dtype)
-    else:
-        y = x.to(dtype)
-    return y
-
 
 def check_window(sliding_window):
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):

@@ -17,8 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import cast
-from kernels.tiling import block_rows, check_float, num_warps_for
+from kernels.tiling import block_rows, cast, check_float, num_warps_for
 
 
 def _norm_ref(x, weight, eps, plus_one):

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import INTERPRET, cast, dot, precision_for
-from kernels.tiling import check_float
+from kernels.attention_tile import precision_for
+from kernels.tiling import INTERPRET, cast, check_float, dot
 
 
 def matmul_ref(x, w):

@@ -1,12 +1,17 @@
-"""How many rows one program of a row-wise kernel (norms, RoPE, activations) takes, per device.
+"""What differs between the GPU and Triton's CPU interpreter, for every kernel: rows per program, dots, casts.
+
+Rows per program of a row-wise kernel (norms, RoPE, activations):
 
 GPU: one row per program, so a decode batch of a few hundred rows still spreads over every SM. Triton's CPU
 interpreter: every program costs milliseconds of Python, so a program takes as many rows as fit a tile numpy
 handles without strain. Either way the count depends only on the row width and the device, never on the
 number of rows, so a row's result does not depend on its batch-mates.
 """
+import os
+
 import torch
 import triton
+import triton.language as tl
 
 _INTERPRETER_TILE_ELEMENTS = 65536
 
@@ -26,3 +31,48 @@ def num_warps_for(tile_elements: int) -> int:
 def check_float(name: str, t: torch.Tensor):
     if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+# Triton's CPU interpreter, read once at import as Triton reads it (kernels/__init__ sets it first). There
+# `tl.dot` is the host BLAS's matmul, whose rounding of a row can depend on the row's place in the tile
+# (OpenBLAS's Haswell kernel does), and bfloat16 is raw uint16 bits that arithmetic and `.to` get wrong.
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"))
+INTERPRET_MAX_NUMEL = tl.constexpr(2 ** 20)  # Triton's cap on a tensor's elements
+
+
+@triton.jit
+def dot(a, b, PRECISION: tl.constexpr):
+    """a [M, K] @ b [K, N] -> float32 [M, N]. GPU: tl.dot. Interpreter: every product in float32 (bf16 and fp16
+    operands upcast exactly) and each output element reduced by numpy alone, so a row's result depends on that
+    row's values only, never on its place in the tile or on the host BLAS."""
+    if INTERPRET:
+        a = a.to(tl.float32)
+        bt = tl.trans(b.to(tl.float32))  # [N, K]: the products' reduction runs along numpy's contiguous axis
+        if a.shape[0] * a.shape[1] * bt.shape[0] > INTERPRET_MAX_NUMEL:
+            # [M, N, K] products exceed Triton's tensor limit (128-wide 16-bit tiles): even and odd k separately.
+            a0, a1 = tl.split(tl.reshape(a, [a.shape[0], a.shape[1] // 2, 2]))
+            b0, b1 = tl.split(tl.reshape(bt, [bt.shape[0], bt.shape[1] // 2, 2]))
+            c = tl.sum(a0[:, None, :] * b0[None, :, :], 2) + tl.sum(a1[:, None, :] * b1[None, :, :], 2)
+        else:
+            c = tl.sum(a[:, None, :] * bt[None, :, :], 2)
+    else:
+        c = tl.dot(a, b, input_precision=PRECISION)
+    return c
+
+
+@triton.jit
+def cast(x, dtype: tl.constexpr):
+    """x.to(dtype), rounding to nearest even as the GPU does. The interpreter truncates float -> bfloat16, so
+    there the rounding is done on the float32 bits (NaN stays NaN)."""
+    if INTERPRET:
+        if dtype == tl.bfloat16 and x.dtype != tl.bfloat16:
+            x32 = x.to(tl.float32)
+            bits = x32.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            bits = tl.where(x32 != x32, 0x7FC0, bits)
+            y = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            y = x.to(dtype)
+    else:
+        y = x.to(dtype)
+    return y

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import INTERPRET, dot
+from kernels.tiling import INTERPRET, dot
 from kernels.interpreter import speed_up
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="the interpreter runs only without CUDA")

@@ -19,7 +19,8 @@ from kernels.tiling import block_rows
 
 pytestmark = pytest.mark.correctness
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]   # bf16 rounds as on GPU under the interpreter too (kernels.attention_tile.cast)
+# bf16 rounds as on GPU under the interpreter too (kernels.tiling.cast)
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Tolerated ulps: float32 allows for the GPU's approximate exp/rsqrt; the 16-bit types for one rounding of a
 # float32 value that differs in its last bits, plus a second rounding where the models round twice.
 ULPS = {torch.float32: 16, torch.float16: 2, torch.bfloat16: 2}
