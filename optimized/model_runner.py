@@ -31,7 +31,7 @@ import torch
 from chunkwise.config import ModelConfig
 from chunkwise.engine_config import EngineConfig
 from chunkwise.sampling import make_generator, sample, token_logprobs
-from kernels.cascade import CascadeGroups, cascade_groups
+from kernels.cascade import CascadeGroups, cascade_groups, cascade_item_size
 from kernels.split_kv import DEFAULT_SPLIT_SIZE, split_tile_config
 from optimized.block_tables import BlockTables
 from optimized.model import Model, StepInputs
@@ -125,6 +125,7 @@ class ModelRunner:
         self.model = Model(cfg, weights, split_size=self.split_size, deterministic=config.deterministic, tp=tp)
         # Deterministic decodes take the single-pass kernel, so there are no splits to share.
         self.cascade = config.cascade_attention and not config.deterministic
+        self.cascade_item_size = cascade_item_size(cfg.head_dim, self.num_heads // self.num_kv_heads)
         self.max_pages_per_seq = config.max_pages_per_seq
         self.num_pages = self._pool_size() if tp is None else tp.min(self._pool_size())
         shape = (self.num_pages, self.page_size, self.num_kv_heads, cfg.head_dim)
@@ -209,22 +210,24 @@ class ModelRunner:
         host = HostStep(ids=ids, positions=pos, slots=slots, logits_indices=(ends - 1)[samples], rows=rows,
                         seq_lens=(start + n).astype(np.int32), query_start_loc=np.concatenate(
                             ([0], ends[:len(prefill)])).astype(np.int32), num_prefill=len(prefill),
-                        cascade=self._cascade(decode), pending=(ends - 1)[pending], pending_src=src,
+                        cascade=self._cascade(rows[len(prefill):], start[len(prefill):] + 1),
+                        pending=(ends - 1)[pending], pending_src=src,
                         table_updates=self.tables.updates, table_rows=self.tables.table.shape[0])
         return host, [e[0] for e in entries if e[2]]
 
-    def _cascade(self, decode) -> CascadeGroups | None:
-        """The split-KV decodes' shared splits, when cascade attention is on and two of them share one.
+    def _cascade(self, rows: np.ndarray, seq_lens: np.ndarray) -> CascadeGroups | None:
+        """The split-KV decodes' shared splits (decodes in block-table `rows`, holding `seq_lens` tokens), when
+        cascade attention is on and two of them share one.
 
         Decided from the block tables alone, and its result is bitwise split-KV's, so a token's bits do not
         depend on its batch-mates. Cheap test first: sharers hold a whole split and the same first page."""
-        if not self.cascade or len(decode) < 2:
+        if not self.cascade or len(rows) < 2:
             return None
-        firsts = [seq.block_table[0] for seq, _, _, start in decode if start + 1 >= self.split_size]
-        if len(firsts) == len(set(firsts)):
+        firsts = self.tables.host[rows[seq_lens >= self.split_size], 0]
+        if len(np.unique(firsts)) == len(firsts):
             return None
-        groups = cascade_groups([seq.block_table for seq, *_ in decode], [start + 1 for *_, start in decode],
-                                self.page_size, self.split_size)
+        groups = cascade_groups(self.tables.host, seq_lens, self.page_size, self.split_size,
+                                item_size=self.cascade_item_size, rows=rows)
         return groups if groups.num_shared else None
 
     def _upload(self, host: HostStep) -> StepInputs:
@@ -238,8 +241,7 @@ class ModelRunner:
         groups = host.cascade
         (lens, dlens, qsl, *group_tensors), _ = self._packed(
             [host.seq_lens[:p], host.seq_lens[p:], host.query_start_loc]
-            + ([groups.split, groups.starts, groups.members, groups.shared_splits] if groups is not None else []),
-            torch.int32)
+            + (groups.tensors() if groups is not None else []), torch.int32)
         return StepInputs(input_ids=ids, positions=pos, slot_mapping=slots,
                           block_tables=self.tables.table.index_select(0, prows), seq_lens=lens,
                           query_start_loc=qsl, decode_block_tables=self.tables.table.index_select(0, drows),

@@ -31,8 +31,8 @@ def run(ckpt, prompts, page_size, chunks, cascade):
     grouped = []
     real = eng.runner._cascade
 
-    def spy(decode):
-        groups = real(decode)
+    def spy(*args):
+        groups = real(*args)
         grouped.append(0 if groups is None else groups.num_shared)
         return groups
     eng.runner._cascade = spy
