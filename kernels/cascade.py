@@ -82,6 +82,7 @@ class CascadeGroups:
 
     @property
     def num_shared(self) -> int:
+        """Shared splits of groups from `cascade_groups` (a graph's static groups: their capacity)."""
         return self.split.shape[0]
 
     def tensors(self) -> list[torch.Tensor]:
