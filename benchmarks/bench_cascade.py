@@ -6,12 +6,15 @@
 output tokens (ignore_eos), on a random bf16 model of Qwen3-0.6B's shape. The system prompt is cached first
 by one request, as a server's would be; every request then takes its pages. Reported per mode: end-to-end
 output tokens/s, decode-only throughput (steps that only decode), and both against the roofline of an
-engine that reads the shared prompt's KV once per step (copy bandwidth and matmul rate measured first).
+engine that reads the shared prompt's KV once per step (copy bandwidth and matmul rate measured first);
+the timed run's steps by kind (cascade / decode / mixed) and path (CUDA graph / eager); and whether both
+modes generated the same tokens (else the first request and position where they part).
 """
 from __future__ import annotations
 
 import gc
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -69,6 +72,7 @@ def run(eng: Engine, system, prompts) -> dict:
             decode_tokens += sum(len(o.new_token_ids) for o in out)
         return out
     eng._step = timed_step
+    launches = Counter(eng.runner.launches)
     torch.cuda.synchronize()
     start = time.perf_counter()
     outs = eng.generate(prompts, SamplingParams(max_tokens=OUTPUT, ignore_eos=True), use_tqdm=False)
@@ -77,8 +81,20 @@ def run(eng: Engine, system, prompts) -> dict:
     del eng._step
     assert all(len(o.token_ids) == OUTPUT for o in outs)
     assert min(o.num_cached_tokens for o in outs) >= SHARED - eng.page_size, "a request missed the cached prompt"
+    steps = {f"{kind} {path}": n for (kind, path), n in sorted((eng.runner.launches - launches).items())}
     return dict(tokens_per_s=REQUESTS * OUTPUT / seconds, seconds=seconds,
-                decode_tokens_per_s=decode_tokens / decode_time, outputs=[o.token_ids for o in outs])
+                decode_tokens_per_s=decode_tokens / decode_time, steps=steps, outputs=[o.token_ids for o in outs])
+
+
+def first_difference(a: list[list[int]], b: list[list[int]]) -> str:
+    """'identical', or the first request whose tokens differ, where, and how many requests differ."""
+    differ = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    if not differ:
+        return "identical"
+    i = differ[0]
+    k = next((k for k, (x, y) in enumerate(zip(a[i], b[i])) if x != y), min(len(a[i]), len(b[i])))
+    return (f"DIFFER in {len(differ)} of {len(a)} requests; first request {i} at output position {k}: "
+            f"{a[i][k:k + 4]} vs {b[i][k:k + 4]}")
 
 
 @pytest.mark.parametrize("cascade", [False, True], ids=["cascade_off", "cascade_on"])
@@ -105,9 +121,10 @@ def test_shared_system_prompt(benchmark, cascade):
     benchmark.extra_info.update({k: v for k, v in r.items() if k != "outputs"})
     print(f"\ncascade {'on' if cascade else 'off'}: {r['tokens_per_s']:.0f} tok/s end to end "
           f"({r['pct_roofline']:.1f}% of {roof['tokens_per_s']:.0f}), decode {r['decode_tokens_per_s']:.0f} tok/s "
-          f"({r['decode_pct_roofline']:.1f}% of {roof['decode_tokens_per_s']:.0f})")
+          f"({r['decode_pct_roofline']:.1f}% of {roof['decode_tokens_per_s']:.0f}); steps by kind and path: "
+          f"{r['steps']}")
     if "on" in RESULTS and "off" in RESULTS:
         on, off = RESULTS["on"], RESULTS["off"]
         print(f"cascade on/off: end to end {on['tokens_per_s'] / off['tokens_per_s']:.2f}x, decode "
-              f"{on['decode_tokens_per_s'] / off['decode_tokens_per_s']:.2f}x; outputs identical: "
-              f"{on['outputs'] == off['outputs']}")
+              f"{on['decode_tokens_per_s'] / off['decode_tokens_per_s']:.2f}x; outputs (on vs off): "
+              f"{first_difference(on['outputs'], off['outputs'])}")

@@ -18,7 +18,8 @@ from kernels.interpreter import speed_up  # noqa: E402
 if INTERPRET:
     speed_up()
 
-from kernels.cascade import CascadeGroups, cascade_decode, cascade_decode_ref, cascade_groups  # noqa: E402
+from kernels.cascade import (CascadeGroups, cascade_decode, cascade_decode_ref, cascade_groups,  # noqa: E402
+                             cascade_item_size)
 from kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
 from kernels.split_kv import merge_splits_ref, split_kv_decode, split_kv_decode_ref  # noqa: E402
 from kernels.fused_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
@@ -29,7 +30,7 @@ from kernels.matmul import matmul, matmul_ref  # noqa: E402
 __all__ = [
     "paged_attention", "paged_attention_ref",
     "split_kv_decode", "split_kv_decode_ref", "merge_splits_ref",
-    "CascadeGroups", "cascade_groups", "cascade_decode", "cascade_decode_ref",
+    "CascadeGroups", "cascade_groups", "cascade_item_size", "cascade_decode", "cascade_decode_ref",
     "rms_norm", "rms_norm_ref", "add_rms_norm", "add_rms_norm_ref",
     "rope_cos_sin", "rope_store", "rope_store_ref",
     "act_and_mul", "act_and_mul_ref",

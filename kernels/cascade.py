@@ -10,23 +10,38 @@ later) leaves that row's state bitwise unchanged. The partials it writes are spl
 merges all its splits as split-KV does, so `cascade_decode` equals `split_kv_decode` bitwise, whatever the
 grouping.
 
+The shared splits' work is an explicit list of items: item k is up to `item_size` members of one shared split
+(as many as fill split-KV's tile height with their GQA heads). The launch grid is (programs, num_kv_heads),
+whatever the grouping, and program p takes items p, p + programs, ... below the item count, which it reads
+from the device: a captured CUDA graph replays with any grouping its buffers hold.
+
 Layouts (q, caches, block_tables, seq_lens, partials: as `split_kv_decode`):
     CascadeGroups, CSR over the shared splits (one entry per split that two or more sequences share):
         split:         int32 [num_shared]      split index j of shared split i (keys [j*split_size, (j+1)*split_size))
         starts:        int32 [num_shared + 1]  its sequences are members[starts[i]:starts[i+1]] (at least 2)
         members:       int32 [starts[-1]]      batch rows (sequence indices), ascending within each shared split
         shared_splits: int32 [num_seqs]        n_s: splits 0..n_s-1 of sequence s are shared, the rest its own
-        max_members:   int, the most members of one shared split (sizes the launch grid without a read-back)
+        item_shared:   int32 [num_items]       shared split i of work item k
+        item_first:    int32 [num_items]       its members are members[item_first[k]:min(item_first[k] + item_size,
+                                               starts[i + 1])]
+        num_items:     int32 [1]               the item count, read by the kernel
+        item_size:     int, members per item: `cascade_item_size(head_dim, group)`
+        programs:      int, the launch grid's first axis (0: no launch)
         split_size:    int, the split size the grouping was made for
+    `cascade_groups` makes them exactly this long, the shared splits in order of j, with programs =
+    num_items. A CUDA graph's static groups are longer buffers of the same layout: the kernel reads only the
+    items below num_items and the entries they point at, and shared_splits (one per row, 0 for padding).
 A sequence's shared splits are always a prefix of its splits, but who shares them may narrow as j grows
 (a tree): a system prompt shared by all, then a document shared by some, is one entry per split for all
 sequences, then entries for the subset.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -41,98 +56,181 @@ from kernels.split_kv import (DEFAULT_SPLIT_SIZE, _check, _split_partial, _works
 # wherever it sits in the tile.
 
 
+def cascade_item_size(head_dim, group):
+    """Members per work item: as many sequences as fill split-KV's tile height (BLOCK_H rows) with their `group`
+    query heads per KV head (at least one)."""
+    return max(1, split_tile_config(head_dim, group)[0] // group)
+
+
 @dataclass(frozen=True)
 class CascadeGroups:
-    """Which splits of a decode batch are shared by which sequences; see the module docstring for the layout.
-    Build it with `cascade_groups` from the same block tables and seq_lens the kernel gets."""
+    """Which splits of a decode batch are shared by which sequences, and the work items over them; see the
+    module docstring for the layout. Build it with `cascade_groups` from the same block tables and seq_lens
+    the kernel gets."""
     split: torch.Tensor
     starts: torch.Tensor
     members: torch.Tensor
     shared_splits: torch.Tensor
-    max_members: int
+    item_shared: torch.Tensor
+    item_first: torch.Tensor
+    num_items: torch.Tensor
+    item_size: int
+    programs: int
     split_size: int
+
+    TENSORS = ("split", "starts", "members", "shared_splits", "item_shared", "item_first", "num_items")
 
     @property
     def num_shared(self) -> int:
+        """Shared splits of groups from `cascade_groups` (a graph's static groups: their capacity)."""
         return self.split.shape[0]
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in self.TENSORS]
+
     def to(self, device) -> CascadeGroups:
-        return self.on(self.split.to(device), self.starts.to(device), self.members.to(device),
-                       self.shared_splits.to(device))
+        return self.on(*(t.to(device) for t in self.tensors()))
 
-    def on(self, split, starts, members, shared_splits) -> CascadeGroups:
-        """The same groups held in other tensors of the same values (e.g. views of one packed upload)."""
-        return CascadeGroups(split, starts, members, shared_splits, self.max_members, self.split_size)
+    def on(self, *tensors) -> CascadeGroups:
+        """The same groups held in other tensors of the same values (e.g. views of one packed upload), in the
+        order of TENSORS."""
+        return dataclasses.replace(self, **dict(zip(self.TENSORS, tensors, strict=True)))
 
 
-def cascade_groups(block_tables, seq_lens, page_size, split_size=DEFAULT_SPLIT_SIZE) -> CascadeGroups:
-    """The shared splits of a decode batch, from its block tables alone.
+def _host_ints(x, what):
+    """x (a tensor, array or list) as a numpy array of ints (int arrays as they are)."""
+    a = x.cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    if a.size == 0:
+        return a.astype(np.int64)
+    if not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"{what} must hold ints, got {a.dtype}")
+    return a
 
-    block_tables: one sequence of page ids per sequence (lists, or the rows of an int tensor; entries past a
-    sequence's last page are ignored, so zero padding is harmless). seq_lens: tokens of each sequence (>= 1).
-    Split j of sequence s is shared with t when both hold it whole ((j + 1) * split_size <= seq_len, so every
-    key of the split is one of each sequence's own positions) and their tables agree on every page up to the
-    one holding position (j + 1) * split_size - 1: then the split's keys, and all before them, are the same
-    memory. The shared part thus ends on a split boundary, rounded down, and never past a member's seq_len.
+
+def _as_table(block_tables, rows):
+    """(int [num_rows, width] table, int [num_seqs] each sequence's row, int [num_seqs] pages each one's row
+    holds); ragged lists are zero-padded."""
+    if isinstance(block_tables, (torch.Tensor, np.ndarray)):
+        table = _host_ints(block_tables, "block_tables")
+        if table.ndim != 2:
+            raise ValueError(f"block_tables must be 2-d, got shape {tuple(table.shape)}")
+        widths = np.full(table.shape[0], table.shape[1], np.int64)
+    else:
+        lists = [_host_ints(r, "block_tables") for r in block_tables]
+        widths = np.array([len(r) for r in lists], np.int64)
+        table = np.zeros((len(lists), int(widths.max(initial=0))), np.int32)
+        for s, r in enumerate(lists):
+            table[s, :len(r)] = r
+    if rows is None:
+        return table, np.arange(table.shape[0]), widths
+    rows = _host_ints(rows, "rows")
+    if rows.ndim != 1 or len(rows) and (rows.min() < 0 or rows.max() >= table.shape[0]):
+        raise ValueError(f"rows must be 1-d indices of the {table.shape[0]} block-table rows, got {rows}")
+    return table, rows, widths[rows]
+
+
+def cascade_groups(block_tables, seq_lens, page_size, split_size=DEFAULT_SPLIT_SIZE, *, item_size,
+                   rows=None) -> CascadeGroups:
+    """The shared splits of a decode batch, from its block tables alone, and their work items of up to
+    `item_size` members (`cascade_item_size` of the kernel's head_dim and GQA group). Host tensors.
+
+    block_tables: int [num_rows, width] (numpy, tensor) or one sequence of page ids per row; sequence s's is
+    row rows[s] (rows: int [num_seqs]; None: row s). Entries past a sequence's last page are ignored, so
+    padding and stale entries are harmless. seq_lens: tokens of each sequence (>= 1). Split j of sequence s is
+    shared with t when both hold it whole ((j + 1) * split_size <= seq_len, so every key of the split is one
+    of each sequence's own positions) and their tables agree on every page up to the one holding position
+    (j + 1) * split_size - 1: then the split's keys, and all before them, are the same memory. The shared
+    part thus ends on a split boundary, rounded down, and never past a member's seq_len.
+
+    Vectorised over the rows: sorted by their pages' bytes, the rows that agree on their first k pages are a
+    run (any lexicographic order keeps a common prefix contiguous), so each split's sharers are the runs of
+    neighbours agreeing on the split's pages, less the rows that do not hold the split whole.
     """
-    tables = block_tables.tolist() if isinstance(block_tables, torch.Tensor) else [list(t) for t in block_tables]
-    lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
-    for name, value in (("page_size", page_size), ("split_size", split_size)):
+    for name, value in (("page_size", page_size), ("split_size", split_size), ("item_size", item_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if len(tables) != len(lens):
-        raise ValueError(f"{len(tables)} block tables but {len(lens)} seq_lens")
-    for s, (table, n) in enumerate(zip(tables, lens)):
-        if not isinstance(n, int) or n < 1 or len(table) * page_size < n:
-            raise ValueError(f"sequence {s}: seq_len {n} must be >= 1 and fit its {len(table)} pages of {page_size}")
-    whole = [n // split_size for n in lens]
-    shared, shared_splits = [], [0] * len(lens)
-    candidates = [list(range(len(lens)))]  # sets of sequences that share every split before j
-    j = 0
-    while candidates:
-        pages = slice(j * split_size // page_size, ((j + 1) * split_size - 1) // page_size + 1)
-        narrowed = []
-        for group in candidates:
-            by_pages = {}
-            for s in group:
-                if whole[s] > j:
-                    by_pages.setdefault(tuple(tables[s][pages]), []).append(s)
-            for members in by_pages.values():
-                if len(members) > 1:
-                    shared.append((j, members))
-                    narrowed.append(members)
-                    for s in members:
-                        shared_splits[s] = j + 1
-        candidates = narrowed
-        j += 1
-    i32 = dict(dtype=torch.int32)
-    sizes = [len(m) for _, m in shared]
-    return CascadeGroups(
-        split=torch.tensor([j for j, _ in shared], **i32),
-        starts=torch.tensor([0] + sizes, **i32).cumsum(0, dtype=torch.int32),
-        members=torch.tensor([s for _, m in shared for s in m], **i32),
-        shared_splits=torch.tensor(shared_splits, **i32), max_members=max(sizes, default=0), split_size=split_size)
+    table, rows, widths = _as_table(block_tables, rows)
+    lens = _host_ints(seq_lens, "seq_lens")
+    if lens.ndim != 1 or rows.shape[0] != lens.shape[0]:
+        raise ValueError(f"{rows.shape[0]} block tables but {lens.shape[0] if lens.ndim else lens} seq_lens")
+    bad = np.flatnonzero((lens < 1) | (widths * page_size < lens))
+    if len(bad):
+        s = int(bad[0])
+        raise ValueError(f"sequence {s}: seq_len {lens[s]} must be >= 1 and fit its {widths[s]} pages of {page_size}")
+    n = len(lens)
+    whole = lens.astype(np.int64) // split_size      # splits each sequence holds whole
+    holders = np.flatnonzero(whole > 0)
+    members = levels = np.zeros(0, np.int64)
+    starts = np.zeros(1, np.int64)
+    if len(holders) > 1:
+        depth, m = int(whole.max()), len(holders)
+        need = (np.arange(1, depth + 1) * split_size - 1) // page_size + 1   # pages up to the end of split j
+        pages = np.ascontiguousarray(table[rows[holders], :need[-1]], np.int32)
+        order = np.argsort(pages.view(np.dtype((np.void, 4 * need[-1]))).ravel(), kind="stable")
+        pages = pages[order]
+        differ = np.ones((m - 1, need[-1] + 1), bool)   # a last column that always differs
+        np.not_equal(pages[1:], pages[:-1], out=differ[:, :-1])
+        agree = differ.argmax(1)   # pages each pair of sorted neighbours agrees on
+        # Per split j, each holder's run of sorted neighbours agreeing on the split's pages.
+        run = np.empty((depth, m), np.int64)
+        run[:, 0] = 0
+        np.cumsum(agree[None, :] < need[:, None], axis=1, out=run[:, 1:])
+        run[:, order] = run.copy()
+        # Every (split j, holder) with the holder holding split j whole, split-major, holders ascending: its
+        # candidate group (split, run) is a group if it has two members or more.
+        flat = np.flatnonzero(whole[holders][None, :] > np.arange(depth)[:, None])
+        base = flat // m * m
+        group = run.ravel()[flat] + base
+        shared = np.bincount(group, minlength=depth * m)[group] > 1
+        group, holder = group[shared], (flat - base)[shared]
+        # Stable: members stay ascending within their group (16-bit keys take numpy's radix sort).
+        order = np.argsort(group.astype(np.uint16) if depth * m <= 1 << 16 else group, kind="stable")
+        group, members = group[order], holders[holder[order]]
+        new = np.ones(len(group), bool)
+        np.not_equal(group[1:], group[:-1], out=new[1:])
+        starts = np.flatnonzero(new)
+        levels, starts = group[starts] // m, np.append(starts, len(group))
+    chunks = -(-np.diff(starts) // item_size)
+    item_shared = np.repeat(np.arange(len(chunks)), chunks)
+    item_first = starts[item_shared] + (np.arange(len(item_shared)) - np.repeat(np.cumsum(chunks) - chunks, chunks)) \
+        * item_size
+    i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int32))  # noqa: E731
+    return CascadeGroups(split=i32(levels), starts=i32(starts), members=i32(members),
+                         shared_splits=i32(np.bincount(members, minlength=n)), item_shared=i32(item_shared),
+                         item_first=i32(item_first), num_items=i32([len(item_shared)]), item_size=item_size,
+                         programs=len(item_shared), split_size=split_size)
 
 
-def _check_groups(groups, q, split_size):
+def _check_groups(groups, q, k_cache, split_size):
     if not isinstance(groups, CascadeGroups):
         raise TypeError(f"groups must be a CascadeGroups (from cascade_groups), got {type(groups).__name__}")
     if groups.split_size != split_size:
         raise ValueError(f"groups were made for split_size {groups.split_size}, not {split_size}")
     if groups.shared_splits.shape != (q.shape[0],):
         raise ValueError(f"groups cover {groups.shared_splits.shape[0]} sequences, the batch has {q.shape[0]}")
-    for name in ("split", "starts", "members", "shared_splits"):
+    for name in CascadeGroups.TENSORS:
         t = getattr(groups, name)
-        if t.dtype != torch.int32 or t.device != q.device:
-            raise ValueError(f"groups.{name} must be int32 on {q.device}, got {t.dtype} on {t.device}")
+        if t.dtype != torch.int32 or t.device != q.device or t.dim() != 1:
+            raise ValueError(f"groups.{name} must be 1-d int32 on {q.device}, got {t.dtype} {tuple(t.shape)} "
+                             f"on {t.device}")
+    if groups.item_shared.shape != groups.item_first.shape or groups.num_items.shape != (1,):
+        raise ValueError(f"groups.item_shared {tuple(groups.item_shared.shape)} and item_first "
+                         f"{tuple(groups.item_first.shape)} must be equally long, num_items one count")
+    item_size = cascade_item_size(q.shape[2], q.shape[1] // k_cache.shape[2])
+    if groups.item_size != item_size:
+        raise ValueError(f"groups' items hold {groups.item_size} members; this head_dim and GQA group take "
+                         f"{item_size} (cascade_item_size)")
+    if not isinstance(groups.programs, int) or groups.programs < (1 if groups.item_shared.shape[0] else 0):
+        raise ValueError(f"groups.programs must be an int >= 1 when there are items, got {groups.programs!r}")
 
 
 def cascade_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, groups, scale, sliding_window=None,
                        split_size=DEFAULT_SPLIT_SIZE, out=None):
     """PyTorch twin of `cascade_decode`: each shared split gathered once (through its first member's table)
-    and attended by all its members' queries, each own split per sequence, then the reference merge."""
+    and attended by all its members' queries, each own split per sequence, then the reference merge.
+    `groups` as `cascade_groups` makes them (every entry in use)."""
     _check(q, k_cache, v_cache, block_tables, seq_lens, sliding_window, split_size)
-    _check_groups(groups, q, split_size)
+    _check_groups(groups, q, k_cache, split_size)
     out = torch.empty_like(q) if out is None else out
     num_seqs, num_heads, head_dim = q.shape
     num_splits = math.ceil(block_tables.shape[1] * k_cache.shape[1] / split_size)
@@ -161,21 +259,35 @@ def cascade_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, groups, scal
 
 @triton.jit
 def _shared_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, partial_out_ptr, partial_lse_ptr, block_tables_ptr, seq_lens_ptr,
-    split_ptr, starts_ptr, members_ptr, qk_scale, window, split_size,
+    q_ptr,              # [num_seqs, num_heads, head_dim]
+    k_cache_ptr,        # [num_pages, page_size, num_kv_heads, head_dim]
+    v_cache_ptr,        # [num_pages, page_size, num_kv_heads, head_dim]
+    partial_out_ptr,    # float32 [num_seqs, num_heads, num_splits, head_dim]
+    partial_lse_ptr,    # float32 [num_seqs, num_heads, num_splits]
+    block_tables_ptr,   # int32 [num_seqs, max_pages_per_seq]
+    seq_lens_ptr,       # int32 [num_seqs]
+    split_ptr,          # int32 [>= num_shared]: split index of each shared split
+    starts_ptr,         # int32 [>= num_shared + 1]: CSR offsets into members
+    members_ptr,        # int32 [>= starts[num_shared]]: batch rows of each shared split
+    item_shared_ptr,    # int32 [>= num_items]: shared split of each work item
+    item_first_ptr,     # int32 [>= num_items]: index in members of each item's first member
+    num_items_ptr,      # int32 [1]: the item count
+    qk_scale, window, split_size,
     stride_qs, stride_qh, stride_bt, stride_ps, stride_ph, stride_pj, stride_ls, stride_lh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, MEMBERS: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
 ):
-    """Shared split i (program axis 0), KV head (axis 1), members chunk*MEMBERS.. of it (axis 2): rows are
-    member-major, each member's GROUP query heads of this KV head."""
-    i = tl.program_id(0)
+    """KV head (axis 1) of work items axis0, axis0 + programs, ... below num_items (a program per axis-0 index):
+    an item is up to MEMBERS members of one shared split; its rows are member-major, each member's GROUP query
+    heads of this KV head."""
     kv_head = tl.program_id(1)
-    first = tl.load(starts_ptr + i) + tl.program_id(2) * MEMBERS
-    end = tl.load(starts_ptr + i + 1)
-    if first < end:
+    num_items = tl.load(num_items_ptr)
+    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        i = tl.load(item_shared_ptr + item)
+        first = tl.load(item_first_ptr + item)
+        end = tl.load(starts_ptr + i + 1)
         split = tl.load(split_ptr + i)
         rows = tl.arange(0, BLOCK_M)
         member = first + rows // GROUP
@@ -208,10 +320,10 @@ def _shared_split_kernel(
 def cascade_decode(q, k_cache, v_cache, block_tables, seq_lens, groups, scale, sliding_window=None,
                    split_size=DEFAULT_SPLIT_SIZE, out=None, workspace=None):
     """`split_kv_decode` with the splits in `groups` (from `cascade_groups` over these block tables and
-    seq_lens, moved to q's device) read once per shared split; bitwise the same result. Returns out.
-    `workspace`: as split_kv_decode's."""
+    seq_lens, moved to q's device, or static buffers of the same layout) read once per shared split; bitwise
+    the same result, whatever groups.programs. Returns out. `workspace`: as split_kv_decode's."""
     _check(q, k_cache, v_cache, block_tables, seq_lens, sliding_window, split_size)
-    _check_groups(groups, q, split_size)
+    _check_groups(groups, q, k_cache, split_size)
     check_batch(q, out, "cascade_decode")
     workspace = _workspace_for(q, k_cache, block_tables, split_size, workspace)
     out = torch.empty_like(q) if out is None else out
@@ -222,17 +334,17 @@ def cascade_decode(q, k_cache, v_cache, block_tables, seq_lens, groups, scale, s
     group = num_heads // num_kv_heads
     block_h, block_n, num_warps, num_stages = split_tile_config(head_dim, group)
     partial_out, partial_lse = workspace.partial_out, workspace.partial_lse
-    if groups.num_shared:
-        members = max(1, block_h // group)
-        _shared_split_kernel[(groups.num_shared, num_kv_heads, triton.cdiv(groups.max_members, members))](
+    if groups.programs:
+        _shared_split_kernel[(groups.programs, num_kv_heads)](
             q, k_cache, v_cache, partial_out, partial_lse, block_tables, seq_lens,
-            groups.split, groups.starts, groups.members, scale * LOG2E, sliding_window or 0, split_size,
+            groups.split, groups.starts, groups.members, groups.item_shared, groups.item_first, groups.num_items,
+            scale * LOG2E, sliding_window or 0, split_size,
             q.stride(0), q.stride(1), block_tables.stride(0),
             partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
             partial_lse.stride(0), partial_lse.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            PAGE_SIZE=page_size, GROUP=group, MEMBERS=members, HEAD_DIM=head_dim,
+            PAGE_SIZE=page_size, GROUP=group, MEMBERS=groups.item_size, HEAD_DIM=head_dim,
             D_PAD=triton.next_power_of_2(head_dim), BLOCK_M=block_h, BLOCK_N=block_n,
             USE_WINDOW=sliding_window is not None, PRECISION=precision_for(q.dtype),
             PAGES_PER_TILE=pages_per_tile(page_size, block_n),

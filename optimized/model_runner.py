@@ -4,8 +4,10 @@ KV cache per layer: k_cache, v_cache [num_pages, page_size, num_kv_heads, head_d
 slot = page_id * page_size + offset. Step inputs are built on the host with numpy (no per-token Python),
 packed into one buffer per dtype and copied once; block tables live on the device (`BlockTables`).
 Decode-only batches replay CUDA graphs captured per batch-size bucket (rows past the real batch are
-padding: slot -1, so nothing is stored, and their logits are dropped). On GPU, construction runs a
-forward per kernel specialisation class, so a user's first workload compiles nothing.
+padding: slot -1, so nothing is stored, and their logits are dropped); with cascade attention, each bucket
+has a second graph whose decodes read the shared splits once, its groups in static buffers sized for the
+worst case. On GPU, construction runs a forward per kernel specialisation class, so a user's first workload
+compiles nothing.
 
 Tensor parallel (`tp`): this runner is one rank's, over its shard; its KV cache holds the rank's KV heads, and
 every rank agrees on the pool size (the smallest any rank can hold). Rank 0's runner (the engine's) has the
@@ -21,6 +23,7 @@ device: its input id is gathered from that step's tokens, so launching step k+1 
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -31,7 +34,7 @@ import torch
 from chunkwise.config import ModelConfig
 from chunkwise.engine_config import EngineConfig
 from chunkwise.sampling import make_generator, sample, token_logprobs
-from kernels.cascade import CascadeGroups, cascade_groups
+from kernels.cascade import CascadeGroups, cascade_groups, cascade_item_size
 from kernels.split_kv import DEFAULT_SPLIT_SIZE, split_tile_config
 from optimized.block_tables import BlockTables
 from optimized.model import Model, StepInputs
@@ -125,6 +128,7 @@ class ModelRunner:
         self.model = Model(cfg, weights, split_size=self.split_size, deterministic=config.deterministic, tp=tp)
         # Deterministic decodes take the single-pass kernel, so there are no splits to share.
         self.cascade = config.cascade_attention and not config.deterministic
+        self.cascade_item_size = cascade_item_size(cfg.head_dim, self.num_heads // self.num_kv_heads)
         self.max_pages_per_seq = config.max_pages_per_seq
         self.num_pages = self._pool_size() if tp is None else tp.min(self._pool_size())
         shape = (self.num_pages, self.page_size, self.num_kv_heads, cfg.head_dim)
@@ -135,7 +139,11 @@ class ModelRunner:
         # The last launched step's tokens on the device, and each sampling sequence's row in them.
         self.last_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.last_rows: dict[int, int] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}           # decode bucket -> graph
+        self.cascade_graphs: dict[int, torch.cuda.CUDAGraph] = {}   # the same with cascade attention
+        self.graph_rows = 0
+        # Steps by kind ("decode", "cascade decode", "mixed": with prefill rows) and path ("graph", "eager").
+        self.launches: Counter[tuple[str, str]] = Counter()
         if self.device.type == "cuda":
             self._warm_up()
             if not config.enforce_eager and self.split_kv_threshold == 0:
@@ -209,22 +217,24 @@ class ModelRunner:
         host = HostStep(ids=ids, positions=pos, slots=slots, logits_indices=(ends - 1)[samples], rows=rows,
                         seq_lens=(start + n).astype(np.int32), query_start_loc=np.concatenate(
                             ([0], ends[:len(prefill)])).astype(np.int32), num_prefill=len(prefill),
-                        cascade=self._cascade(decode), pending=(ends - 1)[pending], pending_src=src,
+                        cascade=self._cascade(rows[len(prefill):], start[len(prefill):] + 1),
+                        pending=(ends - 1)[pending], pending_src=src,
                         table_updates=self.tables.updates, table_rows=self.tables.table.shape[0])
         return host, [e[0] for e in entries if e[2]]
 
-    def _cascade(self, decode) -> CascadeGroups | None:
-        """The split-KV decodes' shared splits, when cascade attention is on and two of them share one.
+    def _cascade(self, rows: np.ndarray, seq_lens: np.ndarray) -> CascadeGroups | None:
+        """The split-KV decodes' shared splits (decodes in block-table `rows`, holding `seq_lens` tokens), when
+        cascade attention is on and two of them share one.
 
         Decided from the block tables alone, and its result is bitwise split-KV's, so a token's bits do not
         depend on its batch-mates. Cheap test first: sharers hold a whole split and the same first page."""
-        if not self.cascade or len(decode) < 2:
+        if not self.cascade or len(rows) < 2:
             return None
-        firsts = [seq.block_table[0] for seq, _, _, start in decode if start + 1 >= self.split_size]
-        if len(firsts) == len(set(firsts)):
+        firsts = self.tables.host[rows[seq_lens >= self.split_size], 0]
+        if len(np.unique(firsts)) == len(firsts):
             return None
-        groups = cascade_groups([seq.block_table for seq, *_ in decode], [start + 1 for *_, start in decode],
-                                self.page_size, self.split_size)
+        groups = cascade_groups(self.tables.host, seq_lens, self.page_size, self.split_size,
+                                item_size=self.cascade_item_size, rows=rows)
         return groups if groups.num_shared else None
 
     def _upload(self, host: HostStep) -> StepInputs:
@@ -238,8 +248,7 @@ class ModelRunner:
         groups = host.cascade
         (lens, dlens, qsl, *group_tensors), _ = self._packed(
             [host.seq_lens[:p], host.seq_lens[p:], host.query_start_loc]
-            + ([groups.split, groups.starts, groups.members, groups.shared_splits] if groups is not None else []),
-            torch.int32)
+            + (groups.tensors() if groups is not None else []), torch.int32)
         return StepInputs(input_ids=ids, positions=pos, slot_mapping=slots,
                           block_tables=self.tables.table.index_select(0, prows), seq_lens=lens,
                           query_start_loc=qsl, decode_block_tables=self.tables.table.index_select(0, drows),
@@ -297,58 +306,102 @@ class ModelRunner:
         self.last_tokens = torch.argmax(self.forward(host), dim=-1)
 
     def forward(self, host: HostStep) -> torch.Tensor:
-        """Logits of a prepared step: a CUDA graph replay for decode-only steps that fit one, else eager
-        (cascade steps too: their grid follows the grouping)."""
+        """Logits of a prepared step: a CUDA graph replay for decode-only steps that fit one (cascade steps
+        through their own graphs), else eager. Counted in `launches` by (kind, path)."""
         d = len(host.rows) - host.num_prefill
-        if (host.num_prefill == 0 and host.cascade is None and self.graphs and d <= max(self.graphs)
-                and len(host.logits_indices) == d):
+        kind = "mixed" if host.num_prefill else "cascade decode" if host.cascade is not None else "decode"
+        graphs = self.cascade_graphs if host.cascade is not None else self.graphs
+        if host.num_prefill == 0 and graphs and d <= self.graph_rows and len(host.logits_indices) == d:
+            self.launches[kind, "graph"] += 1
             return self._replay(host, d)
+        self.launches[kind, "eager"] += 1
         return self.model.forward(self._upload(host), self.kv_caches)
 
-    def _capture_graphs(self, max_num_seqs: int):
-        """One graph per decode batch-size bucket over shared static inputs (largest first, one pool)."""
+    def _static_buffers(self, max_num_seqs: int):
+        """The decode graphs' static inputs (shared by every bucket's graphs) and their staging twins on the host.
+
+        int64 [7 * seg]: ids, positions, slots, logits rows, block-table rows, then (read before the replay, not
+        by the graph) pending rows and their rows in the last step's tokens. int32: seq lens [seg], then the
+        cascade graphs' CascadeGroups, each field at `group_at[name]` (offset, capacity), sized for the worst
+        step: a sequence shares each split it holds whole with one group at most, so members (and items, of
+        one member or more) number at most rows * whole splits per row, and shared splits (two members or
+        more) half that.
+        """
         n = self.graph_rows = max_num_seqs
-        seg = -(-n // ALIGN) * ALIGN
-        dev = self.device
-        # Static int64 inputs: ids, positions, slots, logits rows, block-table rows, then (read before the
-        # replay, not by the graph) pending rows and their rows in the last step's tokens; int32: seq lens.
+        seg = self.seg = -(-n // ALIGN) * ALIGN
+        dev, pin = self.device, self.device.type == "cuda"
+        members = n * max(1, self.max_pages_per_seq * self.page_size // self.split_size)
+        caps = dict(split=members // 2, starts=members // 2 + 1, members=members, shared_splits=seg,
+                    item_shared=members, item_first=members, num_items=1)
+        self.group_at, end = {}, seg
+        for name in CascadeGroups.TENSORS:
+            self.group_at[name] = end, caps[name]
+            end += -(-caps[name] // ALIGN) * ALIGN
         self.static64 = torch.zeros(7 * seg, dtype=torch.int64, device=dev)
-        self.static32 = torch.ones(seg, dtype=torch.int32, device=dev)
-        self.stage64 = torch.zeros(7 * seg, dtype=torch.int64, pin_memory=True)
-        self.stage32 = torch.ones(seg, dtype=torch.int32, pin_memory=True)
+        self.static32 = torch.zeros(end, dtype=torch.int32, device=dev)
+        self.stage64 = torch.zeros(7 * seg, dtype=torch.int64, pin_memory=pin)
+        self.stage32 = torch.zeros(end, dtype=torch.int32, pin_memory=pin)
+        self.stage32.numpy()[:seg] = 1
         self.stage64.numpy()[3 * seg:4 * seg] = np.arange(seg)
         self.stage64.numpy()[2 * seg:3 * seg] = -1
-        self.staged = torch.cuda.Event()
+        self.staged = torch.cuda.Event() if pin else None
         self.static64.copy_(self.stage64)
+        self.static32.copy_(self.stage32)
         self.static_tables = torch.zeros(n, self.max_pages_per_seq, dtype=torch.int32, device=dev)
-        s64, s32 = self.static64, self.static32
-        empty32 = torch.zeros(0, dtype=torch.int32, device=dev)
+        self.buckets = sorted({b for b in [1, 2, 4, 8, *range(16, n + 1, 16), n] if b <= n}, reverse=True)
+        # Persistent shared-split programs per KV head in a cascade graph: about as many programs in all as the
+        # GPU runs at once (2-4 per SM at split-KV's tile), each looping over its share of the items; more
+        # would only add programs that find no item. The interpreter runs programs one after another: there
+        # one program takes every item.
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if pin else 0
+        self.cascade_programs = max(1, min(members, -(-4 * sms // self.num_kv_heads)))
+
+    def _static_inputs(self, bs: int, cascade: bool) -> StepInputs:
+        """StepInputs of a decode step of bs rows over the static buffers (with the static groups if cascade)."""
+        seg, s64, s32, dev = self.seg, self.static64, self.static32, self.device
+        groups = None
+        if cascade:
+            views = {name: s32[at:at + cap] for name, (at, cap) in self.group_at.items()}
+            views["shared_splits"] = views["shared_splits"][:bs]
+            groups = CascadeGroups(**views, item_size=self.cascade_item_size, programs=self.cascade_programs,
+                                   split_size=self.split_size)
+        return StepInputs(
+            input_ids=s64[:bs], positions=s64[seg:seg + bs], slot_mapping=s64[2 * seg:2 * seg + bs],
+            block_tables=self.static_tables[:0], seq_lens=torch.zeros(0, dtype=torch.int32, device=dev),
+            query_start_loc=torch.zeros(1, dtype=torch.int32, device=dev),
+            decode_block_tables=self.static_tables[:bs], decode_seq_lens=s32[:bs],
+            logits_indices=s64[3 * seg:3 * seg + bs], cascade=groups)
+
+    def _capture_graphs(self, max_num_seqs: int):
+        """One graph per decode batch-size bucket over the static inputs (largest first, one pool), and with
+        cascade attention on a second one per bucket whose decodes go through cascade_decode."""
+        self._static_buffers(max_num_seqs)
+        dev = self.device
         self.graph_logits: dict[int, torch.Tensor] = {}
-        buckets = sorted({b for b in [1, 2, 4, 8, *range(16, n + 1, 16), n] if b <= n}, reverse=True)
+        self.cascade_logits: dict[int, torch.Tensor] = {}
         pool = None
         with torch.inference_mode():
-            for bs in buckets:
-                inp = StepInputs(
-                    input_ids=s64[:bs], positions=s64[seg:seg + bs], slot_mapping=s64[2 * seg:2 * seg + bs],
-                    block_tables=self.static_tables[:0], seq_lens=empty32,
-                    query_start_loc=torch.zeros(1, dtype=torch.int32, device=dev),
-                    decode_block_tables=self.static_tables[:bs], decode_seq_lens=s32[:bs],
-                    logits_indices=s64[3 * seg:3 * seg + bs])
-                self.model.forward(inp, self.kv_caches)  # warm-up: compiles the kernels outside capture
-                torch.cuda.synchronize(dev)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.graph_logits[bs] = self.model.forward(inp, self.kv_caches)
-                pool = graph.pool()
-                self.graphs[bs] = graph
+            for bs in self.buckets:
+                for cascade in (False, True) if self.cascade else (False,):
+                    inp = self._static_inputs(bs, cascade)
+                    self.model.forward(inp, self.kv_caches)  # warm-up: compiles the kernels outside capture
+                    torch.cuda.synchronize(dev)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        logits = self.model.forward(inp, self.kv_caches)
+                    pool = graph.pool()
+                    (self.cascade_graphs if cascade else self.graphs)[bs] = graph
+                    (self.cascade_logits if cascade else self.graph_logits)[bs] = logits
         torch.cuda.synchronize(dev)
 
-    def _replay(self, host: HostStep, d: int) -> torch.Tensor:
-        """Decode-only step through the smallest graph bucket that holds its d rows; padding rows store
-        nothing (slot -1), read row 0 of the tables, and their logits are dropped."""
-        bs = min(b for b in self.graphs if b >= d)
-        seg = len(self.static32)
-        self.staged.synchronize()   # the last step's copy out of the staging buffers is done
+    def _stage(self, host: HostStep, d: int) -> int:
+        """Copies a decode-only step of d rows into the static inputs of the smallest bucket that holds it, and
+        returns that bucket. Padding rows store nothing (slot -1), read row 0 of the tables, hold one token and
+        share no split (shared_splits 0; groups name only real rows)."""
+        bs = min(b for b in self.buckets if b >= d)
+        seg = self.seg
+        if self.staged is not None:
+            self.staged.synchronize()   # the last step's copy out of the staging buffers is done
         s64, s32 = self.stage64.numpy(), self.stage32.numpy()
         for k, (a, pad) in enumerate(((host.ids, 0), (host.positions, 0), (host.slots, -1))):
             s64[k * seg:k * seg + d] = a
@@ -360,13 +413,42 @@ class ModelRunner:
         s64[6 * seg:6 * seg + m] = host.pending_src
         s32[:d] = host.seq_lens
         s32[d:bs] = 1
+        staged = seg
+        if host.cascade is not None:
+            for name, t in zip(CascadeGroups.TENSORS, host.cascade.tensors()):
+                at, cap = self.group_at[name]
+                if len(t) > cap:   # impossible by the bound in _static_buffers: a grouping bug, not a fallback
+                    raise RuntimeError(f"cascade groups of {d} decodes hold {len(t)} {name} entries, more than the "
+                                       f"{cap} their static buffer was sized for")
+                s32[at:at + len(t)] = t.numpy()
+            at = self.group_at["shared_splits"][0]
+            s32[at + d:at + bs] = 0
+            staged = len(s32)
         self.static64.copy_(self.stage64, non_blocking=True)
-        self.static32.copy_(self.stage32, non_blocking=True)
-        self.staged.record()
+        self.static32[:staged].copy_(self.stage32[:staged], non_blocking=True)
+        if self.staged is not None:
+            self.staged.record()
         self._fill_pending(self.static64[:bs], self.static64[5 * seg:5 * seg + m], self.static64[6 * seg:6 * seg + m])
         torch.index_select(self.tables.table, 0, self.static64[4 * seg:4 * seg + bs], out=self.static_tables[:bs])
-        self.graphs[bs].replay()
-        return self.graph_logits[bs][:d]
+        return bs
+
+    def _replay(self, host: HostStep, d: int) -> torch.Tensor:
+        """Decode-only step through its bucket's graph (the cascade one for a cascade step); the padding rows'
+        logits are dropped."""
+        bs = self._stage(host, d)
+        cascade = host.cascade is not None
+        (self.cascade_graphs if cascade else self.graphs)[bs].replay()
+        return (self.cascade_logits if cascade else self.graph_logits)[bs][:d]
+
+    def _static_forward(self, host: HostStep) -> torch.Tensor:
+        """What `_replay` computes, run eagerly over the same static inputs: a decode-only step padded to its
+        bucket (tests the staging where no graph can be captured, e.g. on CPU; needs `_static_buffers`)."""
+        d = len(host.rows)
+        if host.num_prefill or len(host.logits_indices) != d or d > self.graph_rows:
+            raise ValueError(f"a static step is decode-only, each decode sampled, at most {self.graph_rows} rows; "
+                             f"got {host.num_prefill} prefills, {len(host.logits_indices)} of {d} rows sampled")
+        bs = self._stage(host, d)
+        return self.model.forward(self._static_inputs(bs, host.cascade is not None), self.kv_caches)[:d]
 
     def _warm_up(self):
         """Run one eager forward per specialisation class, so no Triton kernel compiles inside a user's step.
@@ -455,5 +537,5 @@ class ModelRunner:
 
     def close(self) -> None:
         """Frees the KV cache, the CUDA graphs and the weights; the runner runs nothing after this."""
-        self.kv_caches, self.graphs, self.model = [], {}, None
-        self.graph_logits = {}
+        self.kv_caches, self.graphs, self.cascade_graphs, self.model = [], {}, {}, None
+        self.graph_logits, self.cascade_logits = {}, {}

@@ -1,11 +1,15 @@
 """Cascade attention in the engine: decodes that share prefix splits are grouped each step, read the shared
 splits once, and produce exactly what split-KV alone produces (and what the reference produces)."""
+import dataclasses
+from collections import Counter
+
 import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
 
 import reference
 from chunkwise.checkpoints import tiny_checkpoint
+from kernels import CascadeGroups
 from optimized import Engine, SamplingParams
 
 pytestmark = pytest.mark.correctness
@@ -31,8 +35,8 @@ def run(ckpt, prompts, page_size, chunks, cascade):
     grouped = []
     real = eng.runner._cascade
 
-    def spy(decode):
-        groups = real(decode)
+    def spy(*args):
+        groups = real(*args)
         grouped.append(0 if groups is None else groups.num_shared)
         return groups
     eng.runner._cascade = spy
@@ -48,7 +52,8 @@ def run(ckpt, prompts, page_size, chunks, cascade):
         outs.update({r.request_id: r.output for r in eng.step() if r.finished})
     kv = eng.prefill_kv(prompts[-1])
     assert eng.page_pool.num_free_pages == eng.page_pool.num_pages
-    return [outs[r].token_ids for r in rids], [outs[r].num_cached_tokens for r in rids], kv, grouped
+    return [outs[r].token_ids for r in rids], [outs[r].num_cached_tokens for r in rids], kv, grouped, \
+        eng.runner.launches
 
 
 @settings(max_examples=settings().max_examples // 5)   # ci: 2 drawn besides the pinned ones
@@ -59,8 +64,9 @@ def run(ckpt, prompts, page_size, chunks, cascade):
 def test_cascade_decodes_equal_split_kv_and_the_reference(ckpt, ref, shared, tails, page_size, chunk):
     base = [(7 * i + 3) % (VOCAB - 3) + 3 for i in range(shared)]
     prompts = [base + [(11 * j + 5 * i) % (VOCAB - 3) + 3 for i in range(t)] for j, t in enumerate(tails)]
-    on_tokens, on_cached, (k_on, v_on), grouped = run(ckpt, prompts, page_size, chunk, True)
-    off_tokens, off_cached, (k_off, v_off), _ = run(ckpt, prompts, page_size, chunk, False)
+    path = "graph" if torch.cuda.is_available() else "eager"   # of decode-only steps
+    on_tokens, on_cached, (k_on, v_on), grouped, launches = run(ckpt, prompts, page_size, chunk, True)
+    off_tokens, off_cached, (k_off, v_off), *_ = run(ckpt, prompts, page_size, chunk, False)
     assert on_tokens == off_tokens
     assert on_cached == off_cached
     assert torch.equal(k_on, k_off) and torch.equal(v_on, v_off)
@@ -70,3 +76,56 @@ def test_cascade_decodes_equal_split_kv_and_the_reference(ckpt, ref, shared, tai
     # together, so steps group them once a whole split lies in those pages.
     if shared // page_size * page_size >= SPLIT and len(tails) > 2:
         assert max(grouped) > 0, f"no step grouped decodes sharing {shared} prompt tokens"
+        assert launches["cascade decode", path] > 0
+    # On a GPU every decode-only cascade step replays a cascade graph (the batch fits the largest bucket).
+    assert launches["cascade decode", "eager" if path == "graph" else "graph"] == 0
+
+
+def test_cascade_steps_over_the_graphs_static_inputs_equal_eager_and_split_kv_steps(ckpt, ref):
+    """What a cascade decode graph replays, run eagerly over the same padded static inputs (no capture on
+    CPU): its logits equal the static split-KV step's bit for bit, padded or not, and the eager cascade
+    step's where no padding changes the matmuls' row count; the eager cascade step equals the eager split-KV
+    one; and an engine whose decode steps all take the static inputs still generates the reference's tokens.
+    Every step is counted in the runner's `launches`."""
+    max_seqs, shared, tails = 8, 2 * SPLIT + 21, (3, 9, 14, 30)
+    base = [(7 * i + 3) % (VOCAB - 3) + 3 for i in range(shared)]
+    prompts = [base + [(11 * j + 5 * i) % (VOCAB - 3) + 3 for i in range(t)] for j, t in enumerate(tails)]
+    # Eager (no graphs to replace on a GPU): the static path runs by hand.
+    eng = Engine(ckpt, page_size=16, num_pages=256, max_model_len=MAX_MODEL_LEN, split_size=SPLIT,
+                 split_kv_threshold=0, cascade_attention=True, max_num_seqs=max_seqs, enforce_eager=True)
+    runner = eng.runner
+    runner._static_buffers(max_seqs)
+    eager_forward, rows_seen, kinds = runner.forward, [], Counter()
+
+    def forward(host):
+        logits = eager_forward(host)
+        kinds["mixed" if host.num_prefill else "cascade decode" if host.cascade is not None else "decode"] += 1
+        if host.num_prefill or len(host.logits_indices) != len(host.rows):
+            return logits
+        static = runner._static_forward(host)
+        if host.cascade is not None:
+            # The graph's groups hold the step's (their results alone cannot tell: no sharing is split-KV too),
+            # and padding rows share nothing.
+            d, bs = len(host.rows), min(b for b in runner.buckets if b >= len(host.rows))
+            staged = runner._static_inputs(bs, cascade=True).cascade
+            for name, t in zip(CascadeGroups.TENSORS, host.cascade.tensors()):
+                assert torch.equal(getattr(staged, name)[:len(t)], t), name
+            assert not staged.shared_splits[d:].any() and staged.shared_splits.shape == (bs,)
+            plain = dataclasses.replace(host, cascade=None)
+            assert torch.equal(static, runner._static_forward(plain))
+            assert torch.equal(logits, runner.model.forward(runner._upload(plain), runner.kv_caches))
+            if len(host.rows) in runner.buckets:
+                assert torch.equal(static, logits)
+            rows_seen.append(len(host.rows))
+        return static   # the engine goes on with what the replay would give
+    runner.forward = forward
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    first = eng.add_request(prompts[0], params)
+    while eng.scheduler.seqs[first].num_computed_tokens < len(prompts[0]):
+        eng.step()
+    outs = eng.generate(prompts[1:], params, use_tqdm=False)
+
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref.generate(prompts[1:], params)]
+    assert any(d in runner.buckets for d in rows_seen) and any(d not in runner.buckets for d in rows_seen), \
+        f"cascade decode steps of {rows_seen} rows: a padded and an unpadded bucket are both needed"
+    assert runner.launches == Counter({(kind, "eager"): n for kind, n in kinds.items()})

@@ -1,5 +1,6 @@
 """Cascade decode: bitwise equal to split-KV for every sequence, close to the float32 references, and the
 grouping finds exactly the splits whose keys are the same memory for all their members."""
+import dataclasses
 import math
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kernels import (CascadeGroups, cascade_decode, cascade_decode_ref, cascade_groups, split_kv_decode)
+from kernels import cascade_decode, cascade_decode_ref, cascade_groups, cascade_item_size, split_kv_decode
 from kernels.attention_tile import attend_ref
 from kernels.testing import DTYPES, TOLERANCE, PagedKV, random_kv
 
@@ -35,6 +36,7 @@ def batches(draw):
         page_size=draw(st.integers(1, 64)), split_size=draw(st.sampled_from([64, 128])),
         window=draw(st.none() | st.integers(1, 300)), groups=groups,
         order=draw(st.permutations(range(sum(len(g[2]) for g in groups)))), seed=draw(st.integers(0, 2**16)),
+        programs=draw(st.none() | st.integers(1, 5)),   # None: one program per item
     )
 
 
@@ -106,14 +108,25 @@ def _run(fn, cache, q, spec, groups):
 
 def _spec(groups, order=None, **kw):
     spec = dict(kv_heads=2, group=4, head_dim=64, dtype=torch.float32, page_size=16, split_size=64, window=None,
-                groups=groups, order=order or list(range(sum(len(g[2]) for g in groups))), seed=0)
+                groups=groups, order=order or list(range(sum(len(g[2]) for g in groups))), seed=0, programs=None)
     return {**spec, **kw}
 
 
+def _groups(cache, spec, device):
+    """cascade_groups of a built batch on `device`, launched on spec["programs"] programs when drawn."""
+    groups = cascade_groups(cache.block_tables.cpu(), cache.seq_lens.cpu(), spec["page_size"], spec["split_size"],
+                            item_size=cascade_item_size(spec["head_dim"], spec["group"])).to(device)
+    return groups if spec["programs"] is None else dataclasses.replace(groups, programs=spec["programs"])
+
+
 @given(spec=batches())
-# Four members sharing exactly two splits (prefix on the boundary), one with no partner, interleaved.
+# Four members sharing exactly two splits (prefix on the boundary), one with no partner, interleaved; one
+# program takes both items (one per split: four members fill a 16-row tile with their four heads).
 @example(spec=_spec([(128, (0, 0), [(None, 5), (None, 70), (None, 0), (None, 130)]), (100, (0, 0), [(None, 40)])],
-                    order=[4, 0, 2, 1, 3]))
+                    order=[4, 0, 2, 1, 3], programs=1))
+# Two members per item (eight heads each): five sharers of two splits make six items, over four programs.
+@example(spec=_spec([(130, (0, 0), [(None, 1), (None, 2), (None, 3), (None, 4), (None, 5)])], kv_heads=1, group=8,
+                    programs=4))
 # A prefix shorter than one split (nothing shared) beside a tree: a branch shared by two of three members.
 @example(spec=_spec([(40, (0, 0), [(None, 3), (None, 9)]), (64, (100, 20), [(0, 1), (0, 50), (1, 7)])],
                     kv_heads=1, group=3, head_dim=80, dtype=torch.float16, page_size=7, split_size=64))
@@ -122,8 +135,7 @@ def _spec(groups, order=None, **kw):
                     head_dim=16, group=1))
 def test_cascade_decode_is_bitwise_equal_to_split_kv_decode(spec, device):
     cache, q, _ = _build(spec, device)
-    groups = cascade_groups(cache.block_tables.cpu(), cache.seq_lens.cpu(), spec["page_size"], spec["split_size"])
-    cascade = _run(cascade_decode, cache, q, spec, groups.to(device))
+    cascade = _run(cascade_decode, cache, q, spec, _groups(cache, spec, device))
     split = _run(split_kv_decode, cache, q, spec, None)
 
     assert not cascade.isnan().any()
@@ -135,8 +147,7 @@ def test_cascade_decode_is_bitwise_equal_to_split_kv_decode(spec, device):
 @FEWER
 def test_cascade_decode_matches_its_reference_and_full_attention(spec, device):
     cache, q, seqs = _build(spec, device)
-    groups = cascade_groups(cache.block_tables.cpu(), cache.seq_lens.cpu(), spec["page_size"],
-                            spec["split_size"]).to(device)
+    groups = _groups(cache, spec, device)
     out = _run(cascade_decode, cache, q, spec, groups)
     ref = _run(cascade_decode_ref, cache, q, spec, groups)
     full = torch.stack([attend_ref(q[s:s + 1], k, v, torch.tensor([k.shape[0] - 1], device=device),
@@ -158,60 +169,104 @@ def _shared_splits_by_definition(tables, seq_lens, page_size, split_size):
     return {(j, tuple(m)) for (j, _), m in nodes.items() if len(m) > 1}
 
 
+def _shared_splits_by_tree_walk(tables, lens, page_size, split_size):
+    """([(j, members)], shared_splits): the grouping as first written, a walk down the tree of shared prefixes
+    (split by split, each group split by its members' pages), kept as the oracle of the vectorised one."""
+    whole = [n // split_size for n in lens]
+    shared, shared_splits = [], [0] * len(lens)
+    candidates = [list(range(len(lens)))]  # sets of sequences that share every split before j
+    j = 0
+    while candidates:
+        pages = slice(j * split_size // page_size, ((j + 1) * split_size - 1) // page_size + 1)
+        narrowed = []
+        for group in candidates:
+            by_pages = {}
+            for s in group:
+                if whole[s] > j:
+                    by_pages.setdefault(tuple(tables[s][pages]), []).append(s)
+            for members in by_pages.values():
+                if len(members) > 1:
+                    shared.append((j, members))
+                    narrowed.append(members)
+                    for s in members:
+                        shared_splits[s] = j + 1
+        candidates = narrowed
+        j += 1
+    return shared, shared_splits
+
+
 @given(groups=st.lists(_GROUP, min_size=1, max_size=4), data=st.data())
 @example(groups=[(128, (0, 0), [(None, 0), (None, 0)])], data=None)  # twins ending exactly on a split boundary
 # Twins ending on a page boundary inside split 1: their zero padding agrees, but split 1 is not theirs whole.
 @example(groups=[(96, (0, 0), [(None, 0), (None, 0)])], data=None)
+# A tree: a prefix of three splits shared by six, then a document of two more splits by four of them (items of
+# two members: the four make two items per split, the six three).
+@example(groups=[(192, (128, 64), [(0, 3), (0, 0), (1, 70), (None, 9), (0, 64), (0, 1)]), (64, (0, 0), [(None, 5)])],
+         data=None)
 def test_cascade_groups_shares_exactly_the_splits_whose_pages_all_members_hold(groups, data):
-    page_size, split_size, order = 16, 64, None
+    page_size, split_size, order, item_size, stale = 16, 64, None, 2, True
     if data is not None:
         page_size = data.draw(st.integers(1, 64), label="page_size")
         split_size = data.draw(st.sampled_from([16, 64, 128]), label="split_size")
         order = data.draw(st.permutations(range(sum(len(g[2]) for g in groups))), label="order")
+        item_size = data.draw(st.integers(1, 5), label="item_size")
+        stale = data.draw(st.booleans(), label="stale entries (else zero padding) past each sequence's pages")
     lengths, paths = _segments(groups, order or range(sum(len(g[2]) for g in groups)))
-    table, _ = _tables(lengths, paths, page_size, torch.Generator().manual_seed(0))
+    table, _ = _tables(lengths, paths, page_size, torch.Generator().manual_seed(0), extra_cols=4)
     seq_lens = [sum(lengths[s] for s in p) for p in paths]
-    # Zero padding, as the engine pads its tables: entries past a sequence's pages must not count as shared.
-    padded = [row[:-(-n // page_size)] + [0] * 4 for row, n in zip(table.tolist(), seq_lens)]
+    # Entries past a sequence's pages must not count as shared: random ones, as a reused block-table row
+    # holds, or zero padding (ragged lists), as the engine's tables start.
+    own = [row[:-(-n // page_size)] for row, n in zip(table.tolist(), seq_lens)]
+    tables = table.numpy() if stale else [row + [0] * 4 for row in own]
 
-    g = cascade_groups(padded, torch.tensor(seq_lens, dtype=torch.int32), page_size, split_size)
+    g = cascade_groups(tables, torch.tensor(seq_lens, dtype=torch.int32), page_size, split_size, item_size=item_size)
 
     starts = g.starts.tolist()
-    found = {(j, tuple(g.members[starts[i]:starts[i + 1]].tolist())) for i, j in enumerate(g.split.tolist())}
-    assert len(found) == g.num_shared
-    assert found == _shared_splits_by_definition(padded, seq_lens, page_size, split_size)
-    for s in range(len(paths)):  # a sequence's shared splits are exactly splits 0..shared_splits[s]-1
-        assert sorted(j for j, m in found if s in m) == list(range(g.shared_splits[s]))
-    assert g.max_members == max((len(m) for _, m in found), default=0)
+    found = [(j, tuple(g.members[starts[i]:starts[i + 1]].tolist())) for i, j in enumerate(g.split.tolist())]
+    walk, walk_splits = _shared_splits_by_tree_walk(own, seq_lens, page_size, split_size)
+    assert sorted(found) == sorted((j, tuple(m)) for j, m in walk)
+    assert g.shared_splits.tolist() == walk_splits
+    assert set(found) == _shared_splits_by_definition(own, seq_lens, page_size, split_size)
+    assert [j for j, _ in found] == sorted(j for j, _ in found)
     assert all(list(m) == sorted(m) for _, m in found)
+    # Work items: each shared split's members in consecutive runs of item_size, the last one shorter.
+    items = list(zip(g.item_shared.tolist(), g.item_first.tolist()))
+    assert items == [(i, f) for i in range(g.num_shared) for f in range(starts[i], starts[i + 1], item_size)]
+    assert g.num_items.tolist() == [len(items)] and g.programs == len(items) and g.item_size == item_size
 
 
 def test_cascade_groups_and_decode_reject_inconsistent_input(device):
     with pytest.raises(ValueError, match="2 block tables but 1 seq_lens"):
-        cascade_groups([[0], [0]], [3], 4, 64)
+        cascade_groups([[0], [0]], [3], 4, 64, item_size=4)
     with pytest.raises(ValueError, match="sequence 1: seq_len 9 must be >= 1 and fit its 2 pages of 4"):
-        cascade_groups([[0, 1], [0, 2]], [8, 9], 4, 64)
+        cascade_groups([[0, 1], [0, 2]], [8, 9], 4, 64, item_size=4)
     with pytest.raises(ValueError, match="sequence 0: seq_len 0"):
-        cascade_groups([[0]], [0], 4, 64)
+        cascade_groups([[0]], [0], 4, 64, item_size=4)
     with pytest.raises(ValueError, match="split_size must be a positive int, got 0"):
-        cascade_groups([[0]], [1], 4, 0)
+        cascade_groups([[0]], [1], 4, 0, item_size=4)
+    with pytest.raises(ValueError, match="item_size must be a positive int, got 0"):
+        cascade_groups([[0]], [1], 4, 64, item_size=0)
 
     spec = _spec([(128, (0, 0), [(None, 5), (None, 9)])])
     cache, q, _ = _build(spec, device)
-    groups = cascade_groups(cache.block_tables, cache.seq_lens, 16, 64).to(device)
+    groups = cascade_groups(cache.block_tables, cache.seq_lens, 16, 64, item_size=4).to(device)
     args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens)
     with pytest.raises(ValueError, match="groups were made for split_size 64, not 128"):
         cascade_decode(*args, groups, 0.125, split_size=128)
     with pytest.raises(ValueError, match="groups cover 1 sequences, the batch has 2"):
-        cascade_decode(*args, cascade_groups(cache.block_tables[:1], cache.seq_lens[:1], 16, 64).to(device), 0.125,
-                       split_size=64)
+        first = cascade_groups(cache.block_tables[:1], cache.seq_lens[:1], 16, 64, item_size=4)
+        cascade_decode(*args, first.to(device), 0.125, split_size=64)
     with pytest.raises(TypeError, match="groups must be a CascadeGroups"):
         cascade_decode(*args, {"split": groups.split}, 0.125, split_size=64)
-    wrong = CascadeGroups(groups.split.long(), groups.starts, groups.members, groups.shared_splits,
-                          groups.max_members, 64)
-    with pytest.raises(ValueError, match="groups.split must be int32"):
-        cascade_decode(*args, wrong, 0.125, split_size=64)
+    with pytest.raises(ValueError, match="groups.split must be 1-d int32"):
+        cascade_decode(*args, dataclasses.replace(groups, split=groups.split.long()), 0.125, split_size=64)
+    with pytest.raises(ValueError, match="groups' items hold 8 members; this head_dim and GQA group take 4"):
+        cascade_decode(*args, dataclasses.replace(groups, item_size=8), 0.125, split_size=64)
+    with pytest.raises(ValueError, match="groups.programs must be an int >= 1 when there are items, got 0"):
+        cascade_decode(*args, dataclasses.replace(groups, programs=0), 0.125, split_size=64)
+    with pytest.raises(ValueError, match="must be equally long"):
+        cascade_decode(*args, dataclasses.replace(groups, item_first=groups.item_first[:1]), 0.125, split_size=64)
     if device.type == "cuda":
-        with pytest.raises(ValueError, match="groups.split must be int32 on cuda"):
+        with pytest.raises(ValueError, match="groups.split must be 1-d int32 on cuda"):
             cascade_decode(*args, groups.to("cpu"), 0.125, split_size=64)
     assert math.isfinite(cascade_decode(*args, groups, 0.125, split_size=64).sum().item())

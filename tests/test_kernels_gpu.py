@@ -5,11 +5,13 @@ Bounds and why: fp32 uses IEEE dots, so only exp2-vs-exp and summation order dif
 fp16 rounds P and the output to 11 bits (~5e-4 per element; bound 2e-3); bf16 to 8 bits (~4e-3 per
 element, ~2-3e-3 in norm; bound 1e-2).
 """
+import dataclasses
+
 import pytest
 import torch
 
-from kernels import (cascade_decode, cascade_groups, paged_attention, paged_attention_ref, split_kv_decode,
-                     split_kv_decode_ref)
+from kernels import (cascade_decode, cascade_groups, cascade_item_size, paged_attention, paged_attention_ref,
+                     split_kv_decode, split_kv_decode_ref)
 from kernels.testing import paginate, query_start_loc, random_kv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.correctness]
@@ -134,12 +136,14 @@ def test_split_kv_merge_is_race_free_and_cascade_is_bitwise_split_kv_at_producti
     args = (q, pool.k_cache, pool.v_cache, table, seq_lens)
     runs = [split_kv_decode(*args, 128 ** -0.5, sliding_window=window, out=torch.full_like(q, float("nan")))
             for _ in range(10)]
-    groups = cascade_groups(table.cpu(), seq_lens.cpu(), 16, 512).to("cuda")
-    cascade = cascade_decode(*args, groups, 128 ** -0.5, sliding_window=window, out=torch.full_like(q, float("nan")))
+    groups = cascade_groups(table.cpu(), seq_lens.cpu(), 16, 512, item_size=cascade_item_size(128, 4)).to("cuda")
+    # One program per item, and persistent programs looping over several items each (a graph's fixed grid).
+    cascades = [cascade_decode(*args, dataclasses.replace(groups, programs=p), 128 ** -0.5, sliding_window=window,
+                               out=torch.full_like(q, float("nan"))) for p in (groups.programs, 7, 1)]
 
-    assert groups.num_shared == 8
+    assert groups.num_shared == 8 and groups.programs == 8 * 10   # 40 members: ten items of four per split
     assert not runs[0].isnan().any()
     assert all(torch.equal(r, runs[0]) for r in runs[1:])
-    assert torch.equal(cascade, runs[0])
+    assert all(torch.equal(c, runs[0]) for c in cascades)
     ref = split_kv_decode_ref(q.float(), *args[1:], 128 ** -0.5, sliding_window=window)
     assert _rel_err(runs[0], ref) < REL_BOUND[dtype]
