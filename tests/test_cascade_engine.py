@@ -95,7 +95,8 @@ def test_cascade_steps_over_the_graphs_static_inputs_equal_eager_and_split_kv_st
     prompts = [base + [(11 * j + 5 * i) % (VOCAB - 3) + 3 for i in range(t)] for j, t in enumerate(tails)]
     # Eager (no graphs to replace on a GPU): the static path runs by hand.
     eng = Engine(ckpt, page_size=16, num_pages=256, max_model_len=MAX_MODEL_LEN, split_size=SPLIT,
-                 split_kv_threshold=0, cascade_attention=True, max_num_seqs=max_seqs, enforce_eager=True)
+                 split_kv_threshold=0, cascade_attention=True, max_num_seqs=max_seqs, enforce_eager=True,
+                 async_scheduling=False)   # the schedule the row counts below are planned for, on any device
     runner = eng.runner
     runner._static_buffers(max_seqs)
     eager_forward, rows_seen, kinds = runner.forward, [], Counter()
@@ -112,7 +113,7 @@ def test_cascade_steps_over_the_graphs_static_inputs_equal_eager_and_split_kv_st
             d, bs = len(host.rows), min(b for b in runner.buckets if b >= len(host.rows))
             staged = runner._static_inputs(bs, cascade=True).cascade
             for name, t in zip(CascadeGroups.TENSORS, host.cascade.tensors()):
-                assert torch.equal(getattr(staged, name)[:len(t)], t), name
+                assert torch.equal(getattr(staged, name)[:len(t)].cpu(), t.cpu()), name   # staged on the device
             assert not staged.shared_splits[d:].any() and staged.shared_splits.shape == (bs,)
             plain = dataclasses.replace(host, cascade=None)
             assert torch.equal(static, runner._static_forward(plain))
@@ -129,6 +130,7 @@ def test_cascade_steps_over_the_graphs_static_inputs_equal_eager_and_split_kv_st
     eng.step()   # its prompt's pages committed under overlap scheduling too (see `run`)
     outs = eng.generate(prompts[1:], params, use_tqdm=False)
 
+    assert not any(o.error for o in outs), [o.error for o in outs]   # a check above failed inside a step
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref.generate(prompts[1:], params)]
     assert any(d in runner.buckets for d in rows_seen) and any(d not in runner.buckets for d in rows_seen), \
         f"cascade decode steps of {rows_seen} rows: a padded and an unpadded bucket are both needed"
