@@ -140,13 +140,13 @@ class Engine:
             self.scheduler.check_fits(seq, name=f"prompt {i}")
         return seqs
 
-    def _submit(self, seq: Sequence) -> int:
+    def _submit(self, seq: Sequence, check_fits: bool = True) -> int:
         rid = self._num_ids
         self._num_ids += 1
         seq.seq_id = rid
         if seq.sampling_params.logprobs is not None:
             seq.logprobs = []
-        self.scheduler.add(seq)
+        self.scheduler.add(seq, check_fits)
         return rid
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, chunk_sizes=None) -> int:
@@ -312,9 +312,10 @@ class Engine:
         with self._lock:
             seq = self._prepare(single_prompt(prompt), SamplingParams(max_tokens=1, ignore_eos=True), [chunk_sizes])[0]
             # Two tokens, so the request still holds its pages after the step that computes the prompt's
-            # last token; it is aborted right after that step.
+            # last token; it is aborted right after that step. It never computes past the prompt, which is what
+            # _prepare checked against the pool (with max_tokens 1), so the second token needs no page.
             seq.sampling_params = replace(seq.sampling_params, max_tokens=2)
-            rid = self._submit(seq)
+            rid = self._submit(seq, check_fits=False)
             self._claims[rid] = []
         try:
             while True:

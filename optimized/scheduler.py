@@ -73,13 +73,15 @@ class Scheduler:
         self.seqs: dict[int, Sequence] = {}      # every unfinished sequence by id
         self._alone: Sequence | None = None      # its oversized chunk runs alone in the next step
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, check_fits: bool = True) -> None:
+        """Queue a new sequence; check_fits=False only for one whose caller checked the tokens it will compute."""
         if seq.seq_id in self.seqs:
             raise ValueError(f"sequence id {seq.seq_id!r} is already scheduled")
         if seq.status is not SequenceStatus.WAITING or seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} is {seq.status.name} with pages {seq.block_table}; "
                              f"only a new sequence can be added")
-        self.check_fits(seq)
+        if check_fits:
+            self.check_fits(seq)
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 

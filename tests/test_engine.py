@@ -138,3 +138,19 @@ def test_prefill_kv_is_bitwise_invariant_to_page_size_and_page_placement(ckpt):
             assert not len(diff), f"chunks {chunks}: {name} differs first at (layer, position, head, dim) " \
                                   f"{diff[0].tolist()}: {x[tuple(diff[0])]} (page 4) vs {y[tuple(diff[0])]} (page 7)"
     assert not a.has_unfinished() and not b.has_unfinished()
+
+
+def test_prefill_kv_serves_a_prompt_that_fills_the_whole_pool(ckpt):
+    """prefill_kv computes the prompt only: a prompt of exactly num_pages pages is served, as generate serves it
+    with max_tokens=1 (its request holds a second token only so that its pages outlive the prompt's step), and
+    it caches the bits a roomier pool caches."""
+    prompt = PROMPTS[1][:4]
+    tight = Engine(ckpt, page_size=2, num_pages=2, max_model_len=64)
+    roomy = Engine(ckpt, page_size=2, num_pages=64, max_model_len=64)
+    for eng in (tight, roomy):   # both then take the prompt's first page from the prefix cache
+        assert len(eng.generate([prompt], SamplingParams(max_tokens=1))[0].token_ids) == 1
+    (k, v), (k_roomy, v_roomy) = tight.prefill_kv(prompt), roomy.prefill_kv(prompt)
+    assert torch.equal(k, k_roomy) and torch.equal(v, v_roomy)
+    assert tight.page_pool.num_free_pages == 2 and not tight.has_unfinished()
+    with pytest.raises(ValueError, match="need 3 pages of 2 tokens, the pool has 2"):
+        tight.prefill_kv(PROMPTS[1][:5])
