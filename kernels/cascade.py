@@ -283,21 +283,21 @@ def _shared_split_kernel(
     an item is up to MEMBERS members of one shared split; its rows are member-major, each member's GROUP query
     heads of this KV head."""
     kv_head = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    head = kv_head * GROUP + rows % GROUP
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
     num_items = tl.load(num_items_ptr)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
         i = tl.load(item_shared_ptr + item)
         first = tl.load(item_first_ptr + item)
         end = tl.load(starts_ptr + i + 1)
         split = tl.load(split_ptr + i)
-        rows = tl.arange(0, BLOCK_M)
         member = first + rows // GROUP
         row_ok = (rows < MEMBERS * GROUP) & (member < end)
         s = tl.load(members_ptr + member, mask=row_ok, other=0).to(tl.int64)
         # Padding rows get seq_len 0: every key is in their future, so they see nothing (and are not stored).
         seq_len = tl.load(seq_lens_ptr + s, mask=row_ok, other=0)
-        head = kv_head * GROUP + rows % GROUP
-        d = tl.arange(0, D_PAD)
-        d_ok = d < HEAD_DIM
         q = tl.load(q_ptr + s[:, None] * stride_qs + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         lo = split * split_size

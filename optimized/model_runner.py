@@ -139,8 +139,8 @@ class ModelRunner:
         # The last launched step's tokens on the device, and each sampling sequence's row in them.
         self.last_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.last_rows: dict[int, int] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}           # decode bucket -> graph
-        self.cascade_graphs: dict[int, torch.cuda.CUDAGraph] = {}   # the same with cascade attention
+        # (cascade attention?, decode bucket) -> the graph and the logits tensor its replays write
+        self.graphs: dict[tuple[bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_rows = 0
         # Steps by kind ("decode", "cascade decode", "mixed": with prefill rows) and path ("graph", "eager").
         self.launches: Counter[tuple[str, str]] = Counter()
@@ -309,9 +309,10 @@ class ModelRunner:
         """Logits of a prepared step: a CUDA graph replay for decode-only steps that fit one (cascade steps
         through their own graphs), else eager. Counted in `launches` by (kind, path)."""
         d = len(host.rows) - host.num_prefill
-        kind = "mixed" if host.num_prefill else "cascade decode" if host.cascade is not None else "decode"
-        graphs = self.cascade_graphs if host.cascade is not None else self.graphs
-        if host.num_prefill == 0 and graphs and d <= self.graph_rows and len(host.logits_indices) == d:
+        cascade = host.cascade is not None
+        kind = "mixed" if host.num_prefill else "cascade decode" if cascade else "decode"
+        if (host.num_prefill == 0 and d <= self.graph_rows and len(host.logits_indices) == d
+                and (cascade, self.graph_rows) in self.graphs):   # the largest bucket holds graph_rows
             self.launches[kind, "graph"] += 1
             return self._replay(host, d)
         self.launches[kind, "eager"] += 1
@@ -377,8 +378,6 @@ class ModelRunner:
         cascade attention on a second one per bucket whose decodes go through cascade_decode."""
         self._static_buffers(max_num_seqs)
         dev = self.device
-        self.graph_logits: dict[int, torch.Tensor] = {}
-        self.cascade_logits: dict[int, torch.Tensor] = {}
         pool = None
         with torch.inference_mode():
             for bs in self.buckets:
@@ -390,8 +389,7 @@ class ModelRunner:
                     with torch.cuda.graph(graph, pool=pool):
                         logits = self.model.forward(inp, self.kv_caches)
                     pool = graph.pool()
-                    (self.cascade_graphs if cascade else self.graphs)[bs] = graph
-                    (self.cascade_logits if cascade else self.graph_logits)[bs] = logits
+                    self.graphs[cascade, bs] = graph, logits
         torch.cuda.synchronize(dev)
 
     def _stage(self, host: HostStep, d: int) -> int:
@@ -435,10 +433,9 @@ class ModelRunner:
     def _replay(self, host: HostStep, d: int) -> torch.Tensor:
         """Decode-only step through its bucket's graph (the cascade one for a cascade step); the padding rows'
         logits are dropped."""
-        bs = self._stage(host, d)
-        cascade = host.cascade is not None
-        (self.cascade_graphs if cascade else self.graphs)[bs].replay()
-        return (self.cascade_logits if cascade else self.graph_logits)[bs][:d]
+        graph, logits = self.graphs[host.cascade is not None, self._stage(host, d)]
+        graph.replay()
+        return logits[:d]
 
     def _static_forward(self, host: HostStep) -> torch.Tensor:
         """What `_replay` computes, run eagerly over the same static inputs: a decode-only step padded to its
@@ -537,5 +534,4 @@ class ModelRunner:
 
     def close(self) -> None:
         """Frees the KV cache, the CUDA graphs and the weights; the runner runs nothing after this."""
-        self.kv_caches, self.graphs, self.cascade_graphs, self.model = [], {}, {}, None
-        self.graph_logits, self.cascade_logits = {}, {}
+        self.kv_caches, self.graphs, self.model = [], {}, None
