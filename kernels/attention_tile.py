@@ -70,6 +70,7 @@ def attend_tiles(
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
+    SUM_BY_DOT: tl.constexpr = False,
 ):
     """Fold KV tiles t_start..t_end-1 into the online-softmax state (m_i, l_i, acc) of rows q [M, D_PAD].
 
@@ -81,6 +82,9 @@ def attend_tiles(
     PAGES_PER_TILE > 0 (see `pages_per_tile`): tiles hold whole pages or lie inside one, so each tile loads its
     PAGES_PER_TILE page ids once and spreads them over their positions, instead of one table load and page
     division per position; 0 keeps the per-position lookup (any page size). Both read the same addresses.
+    SUM_BY_DOT: each row's sum of probabilities comes from a dot with ones (of the probabilities as rounded for
+    the dot with V), whose per-element rounding is the MMA's, not the order in which the tile's layout spreads a
+    row over threads and warps (tl.sum's), so a row gets the same bits in a tile of any height or warp count.
     """
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
@@ -108,10 +112,16 @@ def attend_tiles(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + page[:, None] * stride_vp + offset[:, None] * stride_vs
                     + kv_head * stride_vh + d[None, :], mask=pos_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + dot(cast(p, v.dtype), v, PRECISION)
+        p_v = cast(p, v.dtype)
+        if SUM_BY_DOT:
+            # Every column of p_v @ ones is the row's sum, bitwise alike: their max is that sum, in any order.
+            ones = cast(tl.full([BLOCK_N, 16], 1.0, tl.float32), v.dtype)
+            l_i = l_i * alpha + tl.max(dot(p_v, ones, PRECISION), 1)
+        else:
+            l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + dot(p_v, v, PRECISION)
         m_i = m_new
     return m_i, l_i, acc
 

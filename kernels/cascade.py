@@ -11,7 +11,7 @@ merges all its splits as split-KV does, so `cascade_decode` equals `split_kv_dec
 grouping.
 
 The shared splits' work is an explicit list of items: item k is up to `item_size` members of one shared split
-(as many as fill split-KV's tile height with their GQA heads). The launch grid is (programs, num_kv_heads),
+(by default as many as fill SHARED_ROWS tile rows with their GQA heads). The launch grid is (programs, num_kv_heads),
 whatever the grouping, and program p takes items p, p + programs, ... below the item count, which it reads
 from the device: a captured CUDA graph replays with any grouping its buffers hold.
 
@@ -25,7 +25,7 @@ Layouts (q, caches, block_tables, seq_lens, partials: as `split_kv_decode`):
         item_first:    int32 [num_items]       its members are members[item_first[k]:min(item_first[k] + item_size,
                                                starts[i + 1])]
         num_items:     int32 [1]               the item count, read by the kernel
-        item_size:     int, members per item: `cascade_item_size(head_dim, group)`
+        item_size:     int, members per item (`cascade_item_size(head_dim, group)` by default)
         programs:      int, the launch grid's first axis (0: no launch)
         split_size:    int, the split size the grouping was made for
     `cascade_groups` makes them exactly this long, the shared splits in order of j, with programs =
@@ -50,16 +50,26 @@ from kernels.attention_tile import LOG2E, attend_ref, gather_kv_ref, pages_per_t
 from kernels.split_kv import (DEFAULT_SPLIT_SIZE, _check, _split_partial, _workspace_for, check_batch, launch_splits,
                               merge_splits_ref, split_tile_config)
 
-# A shared-split program packs its members' query heads into split-KV's own tile height (BLOCK_H rows) and
-# launches with the same tile config: on a GPU a taller tile compiles to other MMA instructions, whose rounding
-# differed from split-KV's (seen on an H200 with 64 rows), while the same tile shape gives a row the same bits
-# wherever it sits in the tile.
+# A shared-split program reads each tile of its split once for all its members, so the taller its tile, the
+# fewer times a shared split is read. Split-KV's row sums come from a dot (see `_split_partial`), so a row's
+# bits do not depend on the tile's height or warp count: on an H200, tiles of 16 to 256 rows, on 4 or 8 warps
+# (wgmma from 64 rows), gave split-KV's bits, where tl.sum's layout-dependent order had made 64 rows differ.
+# 64 rows read a 4096-token shared prompt 3x faster than split-KV's 16 (and 128 or 256 rows no faster).
+SHARED_ROWS = 64
+MAX_SHARED_ROWS = 128   # larger tiles of float32 queries with head_dim 256 outgrow shared memory
 
 
 def cascade_item_size(head_dim, group):
-    """Members per work item: as many sequences as fill split-KV's tile height (BLOCK_H rows) with their `group`
-    query heads per KV head (at least one)."""
-    return max(1, split_tile_config(head_dim, group)[0] // group)
+    """Members per work item by default: as many sequences as fill SHARED_ROWS tile rows with their `group`
+    query heads per KV head (at least one). `cascade_decode` takes any item size whose members' heads fit
+    MAX_SHARED_ROWS rows (or one member)."""
+    return max(1, SHARED_ROWS // group)
+
+
+def shared_tile_rows(item_size, group):
+    """BLOCK_M of the shared-split program for items of item_size members: their heads padded to a power of two,
+    at least tl.dot's 16."""
+    return max(16, triton.next_power_of_2(item_size * group))
 
 
 @dataclass(frozen=True)
@@ -216,10 +226,11 @@ def _check_groups(groups, q, k_cache, split_size):
     if groups.item_shared.shape != groups.item_first.shape or groups.num_items.shape != (1,):
         raise ValueError(f"groups.item_shared {tuple(groups.item_shared.shape)} and item_first "
                          f"{tuple(groups.item_first.shape)} must be equally long, num_items one count")
-    item_size = cascade_item_size(q.shape[2], q.shape[1] // k_cache.shape[2])
-    if groups.item_size != item_size:
-        raise ValueError(f"groups' items hold {groups.item_size} members; this head_dim and GQA group take "
-                         f"{item_size} (cascade_item_size)")
+    group = q.shape[1] // k_cache.shape[2]
+    rows = max(MAX_SHARED_ROWS, group)   # one member at least, whatever its heads
+    if not isinstance(groups.item_size, int) or not 1 <= groups.item_size * group <= rows:
+        raise ValueError(f"groups' items hold {groups.item_size!r} members of {group} heads each; a shared-split "
+                         f"tile holds 1 to {rows} rows (cascade_item_size gives the default)")
     if not isinstance(groups.programs, int) or groups.programs < (1 if groups.item_shared.shape[0] else 0):
         raise ValueError(f"groups.programs must be an int >= 1 when there are items, got {groups.programs!r}")
 
@@ -332,7 +343,8 @@ def cascade_decode(q, k_cache, v_cache, block_tables, seq_lens, groups, scale, s
         return out
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
-    block_h, block_n, num_warps, num_stages = split_tile_config(head_dim, group)
+    _, block_n, num_warps, num_stages = split_tile_config(head_dim, group)
+    block_m = shared_tile_rows(groups.item_size, group)
     partial_out, partial_lse = workspace.partial_out, workspace.partial_lse
     if groups.programs:
         _shared_split_kernel[(groups.programs, num_kv_heads)](
@@ -345,7 +357,7 @@ def cascade_decode(q, k_cache, v_cache, block_tables, seq_lens, groups, scale, s
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             PAGE_SIZE=page_size, GROUP=group, MEMBERS=groups.item_size, HEAD_DIM=head_dim,
-            D_PAD=triton.next_power_of_2(head_dim), BLOCK_M=block_h, BLOCK_N=block_n,
+            D_PAD=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
             USE_WINDOW=sliding_window is not None, PRECISION=precision_for(q.dtype),
             PAGES_PER_TILE=pages_per_tile(page_size, block_n),
             num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,

@@ -99,7 +99,9 @@ def _split_partial(
     USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
 ):
     """(o [ROWS, D_PAD], lse [ROWS], natural log, -inf when no key is seen) of rows q at positions q_pos over
-    tiles t_start.. of a split ending at hi. The one split step of split-KV, and of cascade's shared splits."""
+    tiles t_start.. of a split ending at hi. The one split step of split-KV, and of cascade's shared splits.
+    Row sums by dot (`attend_tiles`' SUM_BY_DOT): a row's bits do not depend on the tile's height or warps, so
+    cascade's taller tiles give split-KV's bits."""
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
@@ -107,7 +109,7 @@ def _split_partial(
         q, q_pos, m_i, l_i, acc, t_start, tl.cdiv(hi, BLOCK_N), hi, window,
         k_cache_ptr, v_cache_ptr, table_ptr, PAGE_SIZE, kv_head,
         stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
-        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True, PAGES_PER_TILE,
+        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True, PAGES_PER_TILE, True,
     )
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]

@@ -37,6 +37,7 @@ def batches(draw):
         window=draw(st.none() | st.integers(1, 300)), groups=groups,
         order=draw(st.permutations(range(sum(len(g[2]) for g in groups)))), seed=draw(st.integers(0, 2**16)),
         programs=draw(st.none() | st.integers(1, 5)),   # None: one program per item
+        item_size=draw(st.none() | st.integers(1, 12)),  # None: cascade_item_size's (one to four 16-row slabs)
     )
 
 
@@ -108,14 +109,17 @@ def _run(fn, cache, q, spec, groups):
 
 def _spec(groups, order=None, **kw):
     spec = dict(kv_heads=2, group=4, head_dim=64, dtype=torch.float32, page_size=16, split_size=64, window=None,
-                groups=groups, order=order or list(range(sum(len(g[2]) for g in groups))), seed=0, programs=None)
+                groups=groups, order=order or list(range(sum(len(g[2]) for g in groups))), seed=0, programs=None,
+                item_size=None)
     return {**spec, **kw}
 
 
 def _groups(cache, spec, device):
-    """cascade_groups of a built batch on `device`, launched on spec["programs"] programs when drawn."""
+    """cascade_groups of a built batch on `device` with items of spec["item_size"] members (None: the default),
+    launched on spec["programs"] programs when drawn."""
+    item_size = spec["item_size"] or cascade_item_size(spec["head_dim"], spec["group"])
     groups = cascade_groups(cache.block_tables.cpu(), cache.seq_lens.cpu(), spec["page_size"], spec["split_size"],
-                            item_size=cascade_item_size(spec["head_dim"], spec["group"])).to(device)
+                            item_size=item_size).to(device)
     return groups if spec["programs"] is None else dataclasses.replace(groups, programs=spec["programs"])
 
 
@@ -123,10 +127,14 @@ def _groups(cache, spec, device):
 # Four members sharing exactly two splits (prefix on the boundary), one with no partner, interleaved; one
 # program takes both items (one per split: four members fill a 16-row tile with their four heads).
 @example(spec=_spec([(128, (0, 0), [(None, 5), (None, 70), (None, 0), (None, 130)]), (100, (0, 0), [(None, 40)])],
-                    order=[4, 0, 2, 1, 3], programs=1))
+                    order=[4, 0, 2, 1, 3], programs=1, item_size=4))
 # Two members per item (eight heads each): five sharers of two splits make six items, over four programs.
 @example(spec=_spec([(130, (0, 0), [(None, 1), (None, 2), (None, 3), (None, 4), (None, 5)])], kv_heads=1, group=8,
-                    programs=4))
+                    programs=4, item_size=2))
+# Five members of three heads per item: 15 rows of a 16-row tile; then two items of 30 rows, members
+# straddling the tile's two 16-row slabs.
+@example(spec=_spec([(192, (0, 0), [(None, k) for k in range(1, 11)])], kv_heads=1, group=3, item_size=5))
+@example(spec=_spec([(192, (0, 0), [(None, k) for k in range(1, 11)])], kv_heads=1, group=3, item_size=10))
 # A prefix shorter than one split (nothing shared) beside a tree: a branch shared by two of three members.
 @example(spec=_spec([(40, (0, 0), [(None, 3), (None, 9)]), (64, (100, 20), [(0, 1), (0, 50), (1, 7)])],
                     kv_heads=1, group=3, head_dim=80, dtype=torch.float16, page_size=7, split_size=64))
@@ -263,8 +271,9 @@ def test_cascade_groups_and_decode_reject_inconsistent_input(device):
         cascade_decode(*args, {"split": groups.split}, 0.125, split_size=64)
     with pytest.raises(ValueError, match="groups.split must be 1-d int32"):
         cascade_decode(*args, dataclasses.replace(groups, split=groups.split.long()), 0.125, split_size=64)
-    with pytest.raises(ValueError, match="groups' items hold 8 members; this head_dim and GQA group take 4"):
-        cascade_decode(*args, dataclasses.replace(groups, item_size=8), 0.125, split_size=64)
+    with pytest.raises(ValueError, match="groups' items hold 33 members of 4 heads each; a shared-split tile holds "
+                                         "1 to 128 rows"):
+        cascade_decode(*args, dataclasses.replace(groups, item_size=33), 0.125, split_size=64)
     with pytest.raises(ValueError, match="groups.programs must be an int >= 1 when there are items, got 0"):
         cascade_decode(*args, dataclasses.replace(groups, programs=0), 0.125, split_size=64)
     with pytest.raises(ValueError, match="must be equally long"):

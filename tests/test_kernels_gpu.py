@@ -136,12 +136,17 @@ def test_split_kv_merge_is_race_free_and_cascade_is_bitwise_split_kv_at_producti
     args = (q, pool.k_cache, pool.v_cache, table, seq_lens)
     runs = [split_kv_decode(*args, 128 ** -0.5, sliding_window=window, out=torch.full_like(q, float("nan")))
             for _ in range(10)]
-    groups = cascade_groups(table.cpu(), seq_lens.cpu(), 16, 512, item_size=cascade_item_size(128, 4)).to("cuda")
-    # One program per item, and persistent programs looping over several items each (a graph's fixed grid).
-    cascades = [cascade_decode(*args, dataclasses.replace(groups, programs=p), 128 ** -0.5, sliding_window=window,
-                               out=torch.full_like(q, float("nan"))) for p in (groups.programs, 7, 1)]
+    # Items of the default size (16 members of four heads: a 64-row tile, which Hopper computes with wgmma),
+    # of split-KV's 16 rows, of 28 rows in a 32-row tile, and of 128 rows; one program per item, and persistent
+    # programs looping over several items each (a graph's fixed grid).
+    cascades = []
+    for item_size in (cascade_item_size(128, 4), 4, 7, 32):
+        groups = cascade_groups(table.cpu(), seq_lens.cpu(), 16, 512, item_size=item_size).to("cuda")
+        assert groups.num_shared == 8 and groups.programs == 8 * -(-40 // item_size)
+        cascades += [cascade_decode(*args, dataclasses.replace(groups, programs=p), 128 ** -0.5,
+                                    sliding_window=window, out=torch.full_like(q, float("nan")))
+                     for p in (groups.programs, 7, 1)]
 
-    assert groups.num_shared == 8 and groups.programs == 8 * 10   # 40 members: ten items of four per split
     assert not runs[0].isnan().any()
     assert all(torch.equal(r, runs[0]) for r in runs[1:])
     assert all(torch.equal(c, runs[0]) for c in cascades)
