@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from chunkwise.config import ModelConfig
 from chunkwise.sampling import SamplingParams
-from chunkwise.tokenizer import encode_prompts, is_int
+from chunkwise.tokenizer import all_ints, encode_prompts, is_int
 
 
 @dataclass
@@ -60,7 +60,7 @@ def is_single_prompt(prompts) -> bool:
     if hasattr(prompts, "tolist"):
         prompts = prompts.tolist()
     return isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and len(prompts) > 0
-                                        and all(is_int(t) for t in prompts))
+                                        and all_ints(prompts))
 
 
 def single_prompt(prompt) -> list:

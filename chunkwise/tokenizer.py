@@ -27,8 +27,15 @@ def is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def all_ints(xs) -> bool:
+    """Every element `is_int`. Prompts run to many thousands of ids, checked on the request path: a list of
+    plain ints is recognised by their types at C speed, and only other lists (numpy ints, or a bad element)
+    take the element-wise check."""
+    return set(map(type, xs)) <= {int} or all(is_int(t) for t in xs)
+
+
 def _is_token_list(x) -> bool:
-    return isinstance(x, (list, tuple)) and len(x) > 0 and all(is_int(t) for t in x)
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all_ints(x)
 
 
 def as_prompt_list(prompts) -> list:
@@ -67,12 +74,14 @@ def encode_prompts(prompts, tokenizer, cfg: ModelConfig) -> list[list[int]]:
             raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
         if not ids:
             raise ValueError(f"prompt {i} is empty")
-        for t in ids:
-            if not is_int(t):
-                raise ValueError(f"prompt {i} holds {t!r}, which is not an integer token id")
-            if not 0 <= int(t) < cfg.vocab_size:
-                raise ValueError(f"prompt {i} holds token id {t!r}, outside the vocabulary [0, {cfg.vocab_size})")
-        out.append([int(t) for t in ids])
+        if not all_ints(ids):
+            bad = next(t for t in ids if not is_int(t))
+            raise ValueError(f"prompt {i} holds {bad!r}, which is not an integer token id")
+        ids = list(map(int, ids))   # numpy ints become plain ints
+        if min(ids) < 0 or max(ids) >= cfg.vocab_size:
+            bad = next(t for t in ids if not 0 <= t < cfg.vocab_size)
+            raise ValueError(f"prompt {i} holds token id {bad!r}, outside the vocabulary [0, {cfg.vocab_size})")
+        out.append(ids)
     return out
 
 

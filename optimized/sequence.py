@@ -6,7 +6,7 @@ import itertools
 
 from chunkwise.requests import expand_chunk_sizes
 from chunkwise.sampling import SamplingParams
-from chunkwise.tokenizer import is_int
+from chunkwise.tokenizer import all_ints, is_int
 
 _arrivals = itertools.count()
 
@@ -31,9 +31,9 @@ class Sequence:
         prompt_token_ids = list(prompt_token_ids)
         if not prompt_token_ids:
             raise ValueError(f"sequence {seq_id}: empty prompt")
-        for i, t in enumerate(prompt_token_ids):
-            if not is_int(t) or t < 0:
-                raise ValueError(f"sequence {seq_id}: prompt token {i} is {t!r}, not a token id (an int >= 0)")
+        if not all_ints(prompt_token_ids) or min(prompt_token_ids) < 0:
+            i, t = next((i, t) for i, t in enumerate(prompt_token_ids) if not is_int(t) or t < 0)
+            raise ValueError(f"sequence {seq_id}: prompt token {i} is {t!r}, not a token id (an int >= 0)")
         if chunk_sizes is not None:   # the requests' own check (an explicit list here)
             chunk_sizes = expand_chunk_sizes(list(chunk_sizes), len(prompt_token_ids), seq_id)
         self.seq_id = seq_id

@@ -1,4 +1,5 @@
 """optimized.Engine's contract beyond parity: bad input, failure and abort isolation, streaming, seeded sampling."""
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +25,8 @@ def solo(engine):
     ([], None, "prompt 0 is empty"),
     ([3, 384, 5], None, "token id 384"),
     ([3, -1, 5], None, "token id -1"),
+    ([3, True, 5], None, "prompt 0 holds True, which is not an integer token id"),
+    ([3, 4.0, 5], None, "prompt 0 holds 4.0, which is not an integer token id"),
     ([3, 4, 5], [3, 0], "chunk size 0"),
     ([3, 4, 5], [2, 2], "sum to 4"),
     ([3] * 60, None, "exceed max_model_len 64"),
@@ -43,6 +46,11 @@ def test_bad_request_raises_value_error_naming_the_value(engine, prompt, chunks,
 def test_bad_engine_arguments_raise_value_error(ckpt, kw, match):
     with pytest.raises(ValueError, match=match):
         Engine(ckpt, **kw)
+
+
+def test_numpy_integer_token_ids_are_plain_token_ids(engine, solo):
+    outs = engine.generate([[np.int64(t) for t in PROMPTS[0]], np.asarray(PROMPTS[1], np.int32)], GREEDY)
+    assert [o.token_ids for o in outs] == solo[:2]
 
 
 def test_failed_request_leaves_other_requests_unchanged(engine, solo):
