@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.bench_engine import QWEN3_0_6B_SHAPE
+from benchmarks.bench_engine import COMPILED, QWEN3_0_6B_SHAPE, _install_compile_counter
 from benchmarks.roofline import ModelCost, measure_ceilings, step_seconds
 from chunkwise.checkpoints import tiny_checkpoint
 from chunkwise.config import ModelConfig
@@ -75,6 +75,7 @@ def run(eng: Engine, system, prompts) -> dict:
         return forward(host, *args, **kwargs)
     eng._step, eng.runner.forward = marked_step, counted_forward
     launches = Counter(eng.runner.launches)
+    compiled = len(COMPILED)
     torch.cuda.synchronize()
     start = time.perf_counter()
     try:
@@ -89,7 +90,7 @@ def run(eng: Engine, system, prompts) -> dict:
     return dict(tokens_per_s=REQUESTS * OUTPUT / (end - start), seconds=end - start,
                 prefill_phase_s=window["start"] - start, decode_phase_s=end - window["start"],
                 decode_tokens_per_s=window["tokens"] / (end - window["start"]), steps=steps,
-                outputs=[o.token_ids for o in outs])
+                compiles=COMPILED[compiled:], outputs=[o.token_ids for o in outs])
 
 
 def first_difference(a: list[list[int]], b: list[list[int]]) -> str:
@@ -106,6 +107,7 @@ def first_difference(a: list[list[int]], b: list[list[int]]) -> str:
 @pytest.mark.parametrize("cascade", [False, True], ids=["cascade_off", "cascade_on"])
 def test_shared_system_prompt(benchmark, cascade):
     ckpt = tiny_checkpoint("qwen3", seed=0, **QWEN3_0_6B_SHAPE)
+    _install_compile_counter()
     if "ceilings" not in RESULTS:
         RESULTS["ceilings"] = measure_ceilings()
         system, prompts = workload(seed=0)
@@ -129,7 +131,7 @@ def test_shared_system_prompt(benchmark, cascade):
           f"({r['pct_roofline']:.1f}% of {roof['tokens_per_s']:.0f}; {r['prefill_phase_s']:.2f} s until the first "
           f"decode-only step, {r['decode_phase_s']:.2f} s after), decode {r['decode_tokens_per_s']:.0f} tok/s "
           f"({r['decode_pct_roofline']:.1f}% of {roof['decode_tokens_per_s']:.0f}); steps by kind and path: "
-          f"{r['steps']}")
+          f"{r['steps']}; Triton compiles in the timed run: {len(r['compiles'])} {r['compiles'][:3]}")
     if "on" in RESULTS and "off" in RESULTS:
         on, off = RESULTS["on"], RESULTS["off"]
         print(f"cascade on/off: end to end {on['tokens_per_s'] / off['tokens_per_s']:.2f}x, decode "

@@ -25,7 +25,7 @@ Layouts (q, caches, block_tables, seq_lens, partials: as `split_kv_decode`):
         item_first:    int32 [num_items]       its members are members[item_first[k]:min(item_first[k] + item_size,
                                                starts[i + 1])]
         num_items:     int32 [1]               the item count, read by the kernel
-        item_size:     int, members per item (`cascade_item_size(head_dim, group)` by default)
+        item_size:     int, members per item (`cascade_item_size(group)` by default)
         programs:      int, the launch grid's first axis (0: no launch)
         split_size:    int, the split size the grouping was made for
     `cascade_groups` makes them exactly this long, the shared splits in order of j, with programs =
@@ -59,7 +59,7 @@ SHARED_ROWS = 64
 MAX_SHARED_ROWS = 128   # larger tiles of float32 queries with head_dim 256 outgrow shared memory
 
 
-def cascade_item_size(head_dim, group):
+def cascade_item_size(group):
     """Members per work item by default: as many sequences as fill SHARED_ROWS tile rows with their `group`
     query heads per KV head (at least one). `cascade_decode` takes any item size whose members' heads fit
     MAX_SHARED_ROWS rows (or one member)."""
@@ -142,7 +142,7 @@ def _as_table(block_tables, rows):
 def cascade_groups(block_tables, seq_lens, page_size, split_size=DEFAULT_SPLIT_SIZE, *, item_size,
                    rows=None) -> CascadeGroups:
     """The shared splits of a decode batch, from its block tables alone, and their work items of up to
-    `item_size` members (`cascade_item_size` of the kernel's head_dim and GQA group). Host tensors.
+    `item_size` members (`cascade_item_size` of the GQA group by default). Host tensors.
 
     block_tables: int [num_rows, width] (numpy, tensor) or one sequence of page ids per row; sequence s's is
     row rows[s] (rows: int [num_seqs]; None: row s). Entries past a sequence's last page are ignored, so

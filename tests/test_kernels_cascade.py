@@ -37,7 +37,7 @@ def batches(draw):
         window=draw(st.none() | st.integers(1, 300)), groups=groups,
         order=draw(st.permutations(range(sum(len(g[2]) for g in groups)))), seed=draw(st.integers(0, 2**16)),
         programs=draw(st.none() | st.integers(1, 5)),   # None: one program per item
-        item_size=draw(st.none() | st.integers(1, 12)),  # None: cascade_item_size's (one to four 16-row slabs)
+        item_size=draw(st.none() | st.integers(1, 12)),  # None: cascade_item_size's (a 64-row tile)
     )
 
 
@@ -117,7 +117,7 @@ def _spec(groups, order=None, **kw):
 def _groups(cache, spec, device):
     """cascade_groups of a built batch on `device` with items of spec["item_size"] members (None: the default),
     launched on spec["programs"] programs when drawn."""
-    item_size = spec["item_size"] or cascade_item_size(spec["head_dim"], spec["group"])
+    item_size = spec["item_size"] or cascade_item_size(spec["group"])
     groups = cascade_groups(cache.block_tables.cpu(), cache.seq_lens.cpu(), spec["page_size"], spec["split_size"],
                             item_size=item_size).to(device)
     return groups if spec["programs"] is None else dataclasses.replace(groups, programs=spec["programs"])
@@ -131,8 +131,8 @@ def _groups(cache, spec, device):
 # Two members per item (eight heads each): five sharers of two splits make six items, over four programs.
 @example(spec=_spec([(130, (0, 0), [(None, 1), (None, 2), (None, 3), (None, 4), (None, 5)])], kv_heads=1, group=8,
                     programs=4, item_size=2))
-# Five members of three heads per item: 15 rows of a 16-row tile; then two items of 30 rows, members
-# straddling the tile's two 16-row slabs.
+# Ten members of three heads sharing three splits: items of five (15 rows of a 16-row tile), then items of all
+# ten (30 rows of a 32-row tile, a member's heads straddling the MMA's 16-row blocks on a GPU).
 @example(spec=_spec([(192, (0, 0), [(None, k) for k in range(1, 11)])], kv_heads=1, group=3, item_size=5))
 @example(spec=_spec([(192, (0, 0), [(None, k) for k in range(1, 11)])], kv_heads=1, group=3, item_size=10))
 # A prefix shorter than one split (nothing shared) beside a tree: a branch shared by two of three members.
