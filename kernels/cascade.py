@@ -25,7 +25,7 @@ Layouts (q, caches, block_tables, seq_lens, partials: as `split_kv_decode`):
         item_first:    int32 [num_items]       its members are members[item_first[k]:min(item_first[k] + item_size,
                                                starts[i + 1])]
         num_items:     int32 [1]               the item count, read by the kernel
-        item_size:     int, members per item (`cascade_item_size(group)` by default)
+        item_size:     int, members per item (`cascade_item_size(head_dim, group)` by default)
         programs:      int, the launch grid's first axis (0: no launch)
         split_size:    int, the split size the grouping was made for
     `cascade_groups` makes them exactly this long, the shared splits in order of j, with programs =
@@ -54,16 +54,29 @@ from kernels.split_kv import (DEFAULT_SPLIT_SIZE, _check, _split_partial, _works
 # fewer times a shared split is read. Split-KV's row sums come from a dot (see `_split_partial`), so a row's
 # bits do not depend on the tile's height or warp count: on an H200, tiles of 16 to 256 rows, on 4 or 8 warps
 # (wgmma from 64 rows), gave split-KV's bits, where tl.sum's layout-dependent order had made 64 rows differ.
-# 64 rows read a 4096-token shared prompt 3x faster than split-KV's 16 (and 128 or 256 rows no faster).
+# 64 rows read a 4096-token shared prompt 3x faster than split-KV's 16 (128 or 256 rows no faster). Tiles of
+# 64 and 128 rows were verified there with head_dim 128 in float32, float16 and bfloat16; a head_dim above 128
+# takes proportionally fewer rows, so no tile outgrows the verified footprint (a 256-row tile of a batched-dot
+# variant outgrew shared memory).
 SHARED_ROWS = 64
-MAX_SHARED_ROWS = 128   # larger tiles of float32 queries with head_dim 256 outgrow shared memory
+MAX_SHARED_ROWS = 128
 
 
-def cascade_item_size(group):
-    """Members per work item by default: as many sequences as fill SHARED_ROWS tile rows with their `group`
-    query heads per KV head (at least one). `cascade_decode` takes any item size whose members' heads fit
-    MAX_SHARED_ROWS rows (or one member)."""
-    return max(1, SHARED_ROWS // group)
+def _rows_for(rows, head_dim):
+    return rows * 128 // max(128, triton.next_power_of_2(head_dim))
+
+
+def cascade_item_size(head_dim, group):
+    """Members per work item by default: as many sequences as fill SHARED_ROWS tile rows (fewer above head_dim
+    128) with their `group` query heads per KV head (at least one). `cascade_decode` takes any item size up to
+    `max_item_rows`."""
+    return max(1, _rows_for(SHARED_ROWS, head_dim) // group)
+
+
+def max_item_rows(head_dim, group):
+    """Most tile rows (members x group) an item may hold: MAX_SHARED_ROWS (fewer above head_dim 128), or one
+    member's."""
+    return max(_rows_for(MAX_SHARED_ROWS, head_dim), group)
 
 
 def shared_tile_rows(item_size, group):
@@ -142,7 +155,7 @@ def _as_table(block_tables, rows):
 def cascade_groups(block_tables, seq_lens, page_size, split_size=DEFAULT_SPLIT_SIZE, *, item_size,
                    rows=None) -> CascadeGroups:
     """The shared splits of a decode batch, from its block tables alone, and their work items of up to
-    `item_size` members (`cascade_item_size` of the GQA group by default). Host tensors.
+    `item_size` members (`cascade_item_size(head_dim, group)` by default). Host tensors.
 
     block_tables: int [num_rows, width] (numpy, tensor) or one sequence of page ids per row; sequence s's is
     row rows[s] (rows: int [num_seqs]; None: row s). Entries past a sequence's last page are ignored, so
@@ -227,10 +240,10 @@ def _check_groups(groups, q, k_cache, split_size):
         raise ValueError(f"groups.item_shared {tuple(groups.item_shared.shape)} and item_first "
                          f"{tuple(groups.item_first.shape)} must be equally long, num_items one count")
     group = q.shape[1] // k_cache.shape[2]
-    rows = max(MAX_SHARED_ROWS, group)   # one member at least, whatever its heads
+    rows = max_item_rows(q.shape[2], group)
     if not isinstance(groups.item_size, int) or not 1 <= groups.item_size * group <= rows:
         raise ValueError(f"groups' items hold {groups.item_size!r} members of {group} heads each; a shared-split "
-                         f"tile holds 1 to {rows} rows (cascade_item_size gives the default)")
+                         f"tile of head_dim {q.shape[2]} holds 1 to {rows} rows (cascade_item_size gives the default)")
     if not isinstance(groups.programs, int) or groups.programs < (1 if groups.item_shared.shape[0] else 0):
         raise ValueError(f"groups.programs must be an int >= 1 when there are items, got {groups.programs!r}")
 

@@ -128,7 +128,7 @@ class ModelRunner:
         self.model = Model(cfg, weights, split_size=self.split_size, deterministic=config.deterministic, tp=tp)
         # Deterministic decodes take the single-pass kernel, so there are no splits to share.
         self.cascade = config.cascade_attention and not config.deterministic
-        self.cascade_item_size = cascade_item_size(self.num_heads // self.num_kv_heads)
+        self.cascade_item_size = cascade_item_size(cfg.head_dim, self.num_heads // self.num_kv_heads)
         self.max_pages_per_seq = config.max_pages_per_seq
         self.num_pages = self._pool_size() if tp is None else tp.min(self._pool_size())
         shape = (self.num_pages, self.page_size, self.num_kv_heads, cfg.head_dim)

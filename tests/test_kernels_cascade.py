@@ -117,7 +117,7 @@ def _spec(groups, order=None, **kw):
 def _groups(cache, spec, device):
     """cascade_groups of a built batch on `device` with items of spec["item_size"] members (None: the default),
     launched on spec["programs"] programs when drawn."""
-    item_size = spec["item_size"] or cascade_item_size(spec["group"])
+    item_size = spec["item_size"] or cascade_item_size(spec["head_dim"], spec["group"])
     groups = cascade_groups(cache.block_tables.cpu(), cache.seq_lens.cpu(), spec["page_size"], spec["split_size"],
                             item_size=item_size).to(device)
     return groups if spec["programs"] is None else dataclasses.replace(groups, programs=spec["programs"])
@@ -271,8 +271,8 @@ def test_cascade_groups_and_decode_reject_inconsistent_input(device):
         cascade_decode(*args, {"split": groups.split}, 0.125, split_size=64)
     with pytest.raises(ValueError, match="groups.split must be 1-d int32"):
         cascade_decode(*args, dataclasses.replace(groups, split=groups.split.long()), 0.125, split_size=64)
-    with pytest.raises(ValueError, match="groups' items hold 33 members of 4 heads each; a shared-split tile holds "
-                                         "1 to 128 rows"):
+    with pytest.raises(ValueError, match="groups' items hold 33 members of 4 heads each; a shared-split tile of "
+                                         "head_dim 64 holds 1 to 128 rows"):
         cascade_decode(*args, dataclasses.replace(groups, item_size=33), 0.125, split_size=64)
     with pytest.raises(ValueError, match="groups.programs must be an int >= 1 when there are items, got 0"):
         cascade_decode(*args, dataclasses.replace(groups, programs=0), 0.125, split_size=64)

@@ -140,7 +140,7 @@ def test_split_kv_merge_is_race_free_and_cascade_is_bitwise_split_kv_at_producti
     # of split-KV's 16 rows, of 28 rows in a 32-row tile, and of 128 rows; one program per item, and persistent
     # programs looping over several items each (a graph's fixed grid).
     cascades = []
-    for item_size in (cascade_item_size(4), 4, 7, 32):
+    for item_size in (cascade_item_size(128, 4), 4, 7, 32):
         groups = cascade_groups(table.cpu(), seq_lens.cpu(), 16, 512, item_size=item_size).to("cuda")
         assert groups.num_shared == 8 and groups.programs == 8 * -(-40 // item_size)
         cascades += [cascade_decode(*args, dataclasses.replace(groups, programs=p), 128 ** -0.5,
