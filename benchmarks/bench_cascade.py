@@ -5,10 +5,10 @@
 256 requests share a 4096-token system prompt, each followed by 100..500 unique tokens, and ask for 256
 output tokens (ignore_eos), on a random bf16 model of Qwen3-0.6B's shape. The system prompt is cached first
 by one request, as a server's would be; every request then takes its pages. Reported per mode: end-to-end
-output tokens/s, decode-only throughput (the phase after the last prefill, timed without synchronising
-inside it), and both against the roofline of an
-engine that reads the shared prompt's KV once per step (copy bandwidth and matmul rate measured first);
-the timed run's steps by kind (cascade / decode / mixed) and path (CUDA graph / eager); and whether both
+output tokens/s and decode-phase throughput (from the first decode-only step on, timed without synchronising
+inside it), both against the roofline of an engine that reads the shared prompt's KV once per step (copy
+bandwidth and matmul rate measured first); the seconds before and in the decode phase; the timed run's steps
+by kind (cascade / decode / mixed) and path (CUDA graph / eager) and its Triton compiles; and whether both
 modes generated the same tokens (else the first request and position where they part).
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from chunkwise.config import ModelConfig
 from chunkwise.sampling import SamplingParams
-from chunkwise.tokenizer import all_ints, encode_prompts, is_int
+from chunkwise.tokenizer import encode_prompts, is_int, is_single_prompt
 
 
 @dataclass
@@ -53,14 +53,6 @@ def check_against_vocab(params: SamplingParams, vocab_size: int, index: int) -> 
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt {index}: stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
-
-
-def is_single_prompt(prompts) -> bool:
-    """A string or one list of token ids (rather than a batch of prompts)."""
-    if hasattr(prompts, "tolist"):
-        prompts = prompts.tolist()
-    return isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and len(prompts) > 0
-                                        and all_ints(prompts))
 
 
 def single_prompt(prompt) -> list:

@@ -34,15 +34,19 @@ def all_ints(xs) -> bool:
     return set(map(type, xs)) <= {int} or all(is_int(t) for t in xs)
 
 
-def _is_token_list(x) -> bool:
-    return isinstance(x, (list, tuple)) and len(x) > 0 and all_ints(x)
+def is_single_prompt(prompts) -> bool:
+    """A string or one list of token ids (rather than a batch of prompts)."""
+    if hasattr(prompts, "tolist"):  # a tensor or array of ids, one prompt or a batch
+        prompts = prompts.tolist()
+    return isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and len(prompts) > 0
+                                        and all_ints(prompts))
 
 
 def as_prompt_list(prompts) -> list:
     """One prompt (a string or a list of ids) or a list of prompts, as a list of prompts."""
-    if hasattr(prompts, "tolist"):  # a tensor or array of ids, one prompt or a batch
+    if hasattr(prompts, "tolist"):
         prompts = prompts.tolist()
-    if isinstance(prompts, str) or _is_token_list(prompts):
+    if is_single_prompt(prompts):
         return [prompts]
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
         raise ValueError(f"prompts must be a string, a list of token ids, or a non-empty list of those; "

@@ -15,6 +15,7 @@ from kernels.tiling import cast, dot
 
 LOG2E = 1.4426950408889634
 
+
 def check_window(sliding_window):
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
@@ -88,6 +89,8 @@ def attend_tiles(
     """
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
+    if SUM_BY_DOT:
+        ones = cast(tl.full([BLOCK_N, 16], 1.0, tl.float32), v_cache_ptr.dtype.element_ty)
     for t in range(t_start, t_end):
         pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
         pos_ok = pos < seq_len
@@ -117,7 +120,6 @@ def attend_tiles(
         p_v = cast(p, v.dtype)
         if SUM_BY_DOT:
             # Every column of p_v @ ones is the row's sum, bitwise alike: their max is that sum, in any order.
-            ones = cast(tl.full([BLOCK_N, 16], 1.0, tl.float32), v.dtype)
             l_i = l_i * alpha + tl.max(dot(p_v, ones, PRECISION), 1)
         else:
             l_i = l_i * alpha + tl.sum(p, 1)
@@ -132,8 +134,3 @@ def pages_per_tile(page_size, block_n):
     if block_n % page_size == 0:
         return block_n // page_size
     return 1 if page_size % block_n == 0 else 0
-
-
-def precision_for(dtype):
-    """fp32 inputs get IEEE dots (the strict tier must not be TF32); 16-bit inputs ignore the setting."""
-    return "ieee" if dtype == torch.float32 else "tf32"

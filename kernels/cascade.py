@@ -46,9 +46,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import LOG2E, attend_ref, gather_kv_ref, pages_per_tile, precision_for
+from kernels.attention_tile import LOG2E, attend_ref, gather_kv_ref, pages_per_tile
 from kernels.split_kv import (DEFAULT_SPLIT_SIZE, _check, _split_partial, _workspace_for, check_batch, launch_splits,
                               merge_splits_ref, split_tile_config)
+from kernels.tiling import precision_for
 
 # A shared-split program reads each tile of its split once for all its members, so the taller its tile, the
 # fewer times a shared split is read. Split-KV's row sums come from a dot (see `_split_partial`), so a row's

@@ -15,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import precision_for
-from kernels.tiling import INTERPRET, cast, check_float, dot
+from kernels.tiling import INTERPRET, cast, check_float, dot, precision_for
 
 
 def matmul_ref(x, w):

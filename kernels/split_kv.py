@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from kernels.attention_tile import (LOG2E, attend_ref, attend_tiles, check_cache, check_window, gather_kv_ref,
-                                    pages_per_tile, precision_for)
-from kernels.tiling import cast
+                                    pages_per_tile)
+from kernels.tiling import cast, precision_for
 
 DEFAULT_SPLIT_SIZE = 512
 

@@ -40,6 +40,11 @@ INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1"
 INTERPRET_MAX_NUMEL = tl.constexpr(2 ** 20)  # Triton's cap on a tensor's elements
 
 
+def precision_for(dtype):
+    """fp32 inputs get IEEE dots (the strict tier must not be TF32); 16-bit inputs ignore the setting."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 @triton.jit
 def dot(a, b, PRECISION: tl.constexpr):
     """a [M, K] @ b [K, N] -> float32 [M, N]. GPU: tl.dot. Interpreter: every product in float32 (bf16 and fp16

@@ -15,12 +15,11 @@ from hypothesis import strategies as st
 
 from kernels import (act_and_mul, act_and_mul_ref, add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref,
                      rope_cos_sin, rope_store, rope_store_ref)
+from kernels.testing import DTYPES   # bf16 rounds as on GPU under the interpreter too (kernels.tiling.cast)
 from kernels.tiling import block_rows
 
 pytestmark = pytest.mark.correctness
 
-# bf16 rounds as on GPU under the interpreter too (kernels.tiling.cast)
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Tolerated ulps: float32 allows for the GPU's approximate exp/rsqrt; the 16-bit types for one rounding of a
 # float32 value that differs in its last bits, plus a second rounding where the models round twice.
 ULPS = {torch.float32: 16, torch.float16: 2, torch.bfloat16: 2}
