@@ -158,3 +158,14 @@ def test_paged_attention_rejects_bad_arguments_naming_them(change, match):
     for fn in (paged_attention, paged_attention_ref):
         with pytest.raises(ValueError, match=match):
             fn(**args)
+
+
+def test_three_prefill_stages_only_where_shared_memory_holds_them(monkeypatch):
+    import kernels.paged_attention as pa
+    stages = pa.tile_config(128, 2, torch.bfloat16)[3]
+    assert stages == 3
+    assert pa.pipeline_stages(stages, torch.device("cpu")) == 3   # the interpreter has no shared memory to fill
+    monkeypatch.setattr(pa, "_shared_memory", lambda device: 227 * 1024)   # Hopper
+    assert pa.pipeline_stages(stages, torch.device("cuda", 0)) == 3
+    monkeypatch.setattr(pa, "_shared_memory", lambda device: 164 * 1024)   # A100: three stages would not fit
+    assert pa.pipeline_stages(stages, torch.device("cuda", 0)) == 2
