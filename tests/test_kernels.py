@@ -3,6 +3,8 @@
 Runs on CPU through Triton's interpreter (float32, float16 and bfloat16) and on a GPU alike; sizes stay small because
 the interpreter is slow. Production sizes live in test_kernels_gpu.py.
 """
+import importlib
+
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -161,7 +163,7 @@ def test_paged_attention_rejects_bad_arguments_naming_them(change, match):
 
 
 def test_three_prefill_stages_only_where_shared_memory_holds_them(monkeypatch):
-    import kernels.paged_attention as pa
+    pa = importlib.import_module("kernels.paged_attention")   # the package re-exports the function of that name
     stages = pa.tile_config(128, 2, torch.bfloat16)[3]
     assert stages == 3
     assert pa.pipeline_stages(stages, torch.device("cpu")) == 3   # the interpreter has no shared memory to fill
