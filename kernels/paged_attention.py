@@ -23,32 +23,35 @@ from kernels.attention_tile import (LOG2E, attend_ref, attend_tiles, check_cache
 from kernels.tiling import cast, precision_for
 
 
-def tile_config(head_dim, group, dtype):
-    """(BLOCK_M rows, BLOCK_N keys per tile, num_warps, num_stages) for a head_dim, GQA group size and dtype.
+HOPPER_SHARED_MEMORY = 200 * 1024   # a block's shared memory from which 256-row tiles fit (H100/H200: 227 KB)
+
+
+def tile_config(head_dim, group, dtype, shared_memory=0, max_rows=256):
+    """(BLOCK_M rows, BLOCK_N keys per tile, num_warps, num_stages) for a head_dim, GQA group size and dtype, on a
+    device whose blocks may take `shared_memory` bytes (0: the CPU's interpreter); max_rows (128 or 256) caps
+    the rows where the GQA group allows.
 
     Picked on an H200 by benchmarks/sweep_kernels.py (bf16, d128, 32q/8kv): 128x128 tiles with 8 warps ran
-    chunked prefill at ~245 TFLOP/s against ~210 for 64x64. fp32 tiles of that size overflow shared memory,
-    and d256 keeps small tiles for registers. The 128x128 tiles' three pipeline stages (5-8% faster than two
-    on an H200, same bits: stages change when tiles load, not what is computed) need Hopper's shared memory;
-    `pipeline_stages` takes two where a GPU has less.
+    chunked prefill at ~245 TFLOP/s against ~210 for 64x64. With Hopper's shared memory the rows double to
+    256 (q 64 KB + two stages of K and V tiles at 64 KB): on the prefill-heavy engine's chunk shapes (Qwen3's
+    16q/8kv, 2k-8k new tokens after 0-4k cached) 6% faster than 128 rows on an H200, where three stages of
+    128 rows gained nothing over it. fp32 tiles of that size overflow shared memory, and d256 keeps small
+    tiles for registers.
     """
     if head_dim <= 128 and dtype != torch.float32:
-        return max(128, triton.next_power_of_2(group)), 128, 8, 3
+        rows = 256 if shared_memory >= HOPPER_SHARED_MEMORY and max_rows >= 256 else 128
+        return max(rows, triton.next_power_of_2(group)), 128, 8, 2
     return max(64, triton.next_power_of_2(group)), 64 if head_dim <= 128 else 32, 4, 2
 
 
 @functools.lru_cache(maxsize=None)
-def _shared_memory(device: torch.device) -> int:
-    """Bytes of shared memory a block may opt into on a CUDA device (0 where torch does not say)."""
+def _cuda_shared_memory(device: torch.device) -> int:
     return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
 
 
-def pipeline_stages(stages: int, device: torch.device) -> int:
-    """tile_config's stages, or two on a CUDA device with less shared memory than Hopper's (e.g. an A100's
-    164 KB), which three 128x128 stages would overflow."""
-    if stages > 2 and device.type == "cuda" and _shared_memory(device) < 200 * 1024:
-        return 2
-    return stages
+def shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory a block may opt into on the device (0 on the CPU, or where torch does not say)."""
+    return _cuda_shared_memory(device) if device.type == "cuda" else 0
 
 
 def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sliding_window, out):
@@ -164,9 +167,15 @@ def _paged_attention_kernel(
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                    sliding_window=None, out=None):
-    """Causal attention of every query row over its sequence's pages; returns out (allocated if None)."""
+                    sliding_window=None, out=None, max_rows=256):
+    """Causal attention of every query row over its sequence's pages; returns out (allocated if None).
+
+    max_rows caps the rows of a program's tile (see tile_config) for batches of one-token queries, where
+    a tile taller than 128 rows would be padding (deterministic mode's decodes, which share the prefill's
+    tiles and so pass the same cap there too)."""
     _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sliding_window, out)
+    if max_rows not in (128, 256):
+        raise ValueError(f"max_rows must be 128 or 256, got {max_rows!r}")
     out = torch.empty_like(q) if out is None else out
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -174,8 +183,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    block_m, block_n, num_warps, num_stages = tile_config(head_dim, group, q.dtype)
-    num_stages = pipeline_stages(num_stages, q.device)
+    block_m, block_n, num_warps, num_stages = tile_config(head_dim, group, q.dtype, shared_memory(q.device), max_rows)
     block_q = block_m // group
     # Sequence s's blocks start at query_start_loc[s] // block_q + s, so this bound covers every block
     # without reading query lengths back to the host.

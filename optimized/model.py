@@ -170,12 +170,15 @@ class Model:
                        inp.slot_mapping, k_cache, v_cache, cfg.rms_norm_eps, cfg.norm_plus_one)
         out = torch.empty_like(q)
         window, p = cfg.window(i), inp.num_prefill_tokens
+        # Deterministic decodes take paged_attention, whose one-token queries would leave 256-row tiles mostly
+        # padding; its prefill takes the same 128-row tiles, so a token's bits do not depend on which computed it.
+        rows = 128 if self.deterministic else 256
         if p:
             paged_attention(q[:p], k_cache, v_cache, inp.block_tables, inp.seq_lens, inp.query_start_loc,
-                            cfg.attn_scale, sliding_window=window, out=out[:p])
+                            cfg.attn_scale, sliding_window=window, out=out[:p], max_rows=rows)
         if p < t and decode_qsl is not None:
             paged_attention(q[p:], k_cache, v_cache, inp.decode_block_tables, inp.decode_seq_lens, decode_qsl,
-                            cfg.attn_scale, sliding_window=window, out=out[p:])
+                            cfg.attn_scale, sliding_window=window, out=out[p:], max_rows=rows)
         elif p < t and inp.cascade is not None:
             cascade_decode(q[p:], k_cache, v_cache, inp.decode_block_tables, inp.decode_seq_lens, inp.cascade,
                            cfg.attn_scale, sliding_window=window, split_size=self.split_size, out=out[p:],

@@ -151,23 +151,25 @@ def _small_case():
     (dict(block_tables=torch.zeros(1, 4, dtype=torch.int64)), "block_tables must be int32"),
     (dict(seq_lens=torch.tensor([10], dtype=torch.int64)), "seq_lens must be int32"),
     (dict(query_start_loc=torch.tensor([0, 1, 3], dtype=torch.int32)), "query_start_loc must be int32 \\[2\\]"),
+    (dict(max_rows=64), "max_rows must be 128 or 256, got 64"),
 ])
 def test_paged_attention_rejects_bad_arguments_naming_them(change, match):
     q, cache, qsl = _small_case()
     args = dict(q=q, k_cache=cache.k_cache, v_cache=cache.v_cache, block_tables=cache.block_tables,
                 seq_lens=cache.seq_lens, query_start_loc=qsl, scale=0.125)
     args.update(change)
-    for fn in (paged_attention, paged_attention_ref):
+    # max_rows is the kernel's tiling, which its reference has none of
+    for fn in (paged_attention,) if "max_rows" in change else (paged_attention, paged_attention_ref):
         with pytest.raises(ValueError, match=match):
             fn(**args)
 
 
-def test_three_prefill_stages_only_where_shared_memory_holds_them(monkeypatch):
+def test_tiles_take_256_rows_only_where_shared_memory_holds_them():
     pa = importlib.import_module("kernels.paged_attention")   # the package re-exports the function of that name
-    stages = pa.tile_config(128, 2, torch.bfloat16)[3]
-    assert stages == 3
-    assert pa.pipeline_stages(stages, torch.device("cpu")) == 3   # the interpreter has no shared memory to fill
-    monkeypatch.setattr(pa, "_shared_memory", lambda device: 227 * 1024)   # Hopper
-    assert pa.pipeline_stages(stages, torch.device("cuda", 0)) == 3
-    monkeypatch.setattr(pa, "_shared_memory", lambda device: 164 * 1024)   # A100: three stages would not fit
-    assert pa.pipeline_stages(stages, torch.device("cuda", 0)) == 2
+    assert pa.shared_memory(torch.device("cpu")) == 0
+    assert pa.tile_config(128, 2, torch.bfloat16, 0)[0] == 128
+    assert pa.tile_config(128, 2, torch.bfloat16, 164 * 1024)[0] == 128   # A100: 256 rows would not fit
+    assert pa.tile_config(128, 2, torch.bfloat16, 227 * 1024)[0] == 256   # Hopper
+    assert pa.tile_config(128, 2, torch.bfloat16, 227 * 1024, max_rows=128)[0] == 128
+    assert pa.tile_config(128, 2, torch.float32, 227 * 1024)[0] == 64
+
