@@ -40,6 +40,8 @@ CASES = [
     Case("decode B256xL1024", [(1023, 1)] * 256, ["paged", "split"]),
     Case("prefill 2048 after 4096", [(4096, 2048)]),
     Case("prefill 8x(1024 after 1024)", [(1024, 1024)] * 8),
+    Case("prefill 8192 after 4096", [(4096, 8192)]),
+    Case("prefill 2x(4096 after 2048)", [(2048, 4096)] * 2),
 ]
 
 
