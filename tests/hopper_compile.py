@@ -1,0 +1,110 @@
+"""Compiles the attention kernels for Hopper (sm_90) on a machine without a GPU, as their launchers configure
+them there, and prints each one's shared memory; `test_kernels_compile.py` runs it in its own process.
+
+The CPU suite runs the kernels through Triton's interpreter, which never compiles them: a GPU-only mistake (a
+tile that outgrows shared memory, code the compiler rejects) would otherwise first show on a GPU. Each launcher
+is called on small CPU tensors with Hopper's shared memory assumed (227 KB a block), its kernel launch is
+caught before anything runs, and the caught arguments (the launcher's tile config included) are compiled with
+triton.compile for sm_90. That proves the kernels compile and fit, not their numbers (the GPU tests do that).
+Needs TRITON_INTERPRET=0 before Triton is imported, hence the separate process.
+"""
+import importlib
+import json
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "0", "run with TRITON_INTERPRET=0"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from kernels import (cascade_decode, cascade_groups, cascade_item_size, paged_attention,  # noqa: E402
+                     split_kv_decode)
+from kernels.testing import paginate, query_start_loc, random_kv  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+HOPPER_SHARED_MEMORY = 227 * 1024
+OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
+           torch.int64: "*i64"}
+
+
+LAUNCHES: list[tuple] = []   # (kernel, args, kwargs) of each launch caught
+
+
+def _catch(self, *args, grid, warmup, **kwargs):
+    """Stands in for JITFunction.run: records the launch and runs nothing (launchers read no result back)."""
+    LAUNCHES.append((self, args, dict(kwargs)))
+
+
+def compile_launch(fn, args, kwargs) -> dict:
+    """Compiles one caught launch for sm_90: its kernel, launch options and shared memory in bytes."""
+    kwargs = dict(kwargs)
+    options = {k: kwargs.pop(k) for k in OPTIONS if k in kwargs}
+    bound = dict(zip(fn.arg_names, args), **kwargs)
+    signature, constexprs = {}, {}
+    for i, param in enumerate(fn.params):
+        value = bound[param.name]
+        if param.is_constexpr or value is None:   # Triton passes None as a constant, as for a constexpr
+            signature[param.name] = "constexpr"
+            constexprs[(i,)] = value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = POINTER[value.dtype]
+        elif isinstance(value, float):
+            signature[param.name] = "fp32"
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        else:
+            raise TypeError(f"{fn.__name__}: no signature type for {param.name}={value!r}")
+    compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=HOPPER, options=options)
+    tiles = {k: bound[k] for k in ("BLOCK_M", "BLOCK_H", "BLOCK_N") if k in bound}
+    return dict(kernel=fn.__name__, shared=compiled.metadata.shared, **tiles, **options)
+
+
+def _batch(heads, kv_heads, head_dim, dtype, lens, gen):
+    cache = paginate([random_kv(n, kv_heads, head_dim, dtype, gen) for n in lens], 16, gen)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    return q, cache
+
+
+def cases():
+    """(name, launch): a few of the engines' Hopper configurations (a compile takes 2-60 s on a CPU, so not
+    every dtype and shape): prefill attention's 256-row bf16 tiles, split-KV's largest (fp32 d256) and
+    cascade's shared-split tiles."""
+    gen = torch.Generator().manual_seed(0)
+    q, c = _batch(16, 8, 128, torch.bfloat16, [600, 40], gen)
+    yield "paged_attention bf16 16q/8kv d128", lambda: paged_attention(
+        q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens, query_start_loc([1, 1]), 0.1)
+    q2, c2 = _batch(8, 1, 256, torch.float32, [600, 40], gen)
+    yield "split_kv_decode fp32 8q/1kv d256", lambda: split_kv_decode(
+        q2, c2.k_cache, c2.v_cache, c2.block_tables, c2.seq_lens, 0.1, sliding_window=512, split_size=512)
+    # 40 sequences whose first 1024 positions are the same pages: two shared splits, items of the default size.
+    shared = random_kv(1024, 8, 128, torch.bfloat16, gen)
+    own = [random_kv(n, 8, 128, torch.bfloat16, gen) for n in range(100, 140)]
+    c3 = paginate([(torch.cat([shared[0], k]), torch.cat([shared[1], v])) for k, v in own], 16, gen)
+    tables = c3.block_tables.clone()
+    tables[:, :1024 // 16] = tables[0, :1024 // 16]
+    groups = cascade_groups(tables, c3.seq_lens, 16, 512, item_size=cascade_item_size(128, 2))
+    assert groups.programs, "no shared split: the case would not launch the shared-split kernel"
+    q3 = torch.randn(len(own), 16, 128, generator=gen).to(torch.bfloat16)
+    yield "cascade_decode bf16 16q/8kv d128", lambda: cascade_decode(
+        q3, c3.k_cache, c3.v_cache, tables, c3.seq_lens, groups, 0.1, split_size=512)
+
+
+def main():
+    importlib.import_module("kernels.paged_attention").shared_memory = lambda device: HOPPER_SHARED_MEMORY
+    JITFunction.run = _catch
+    for name, launch in cases():
+        LAUNCHES.clear()
+        launch()
+        assert LAUNCHES, f"{name}: no kernel launched"
+        for fn, args, kwargs in LAUNCHES:
+            print(json.dumps(dict(case=name, **compile_launch(fn, args, kwargs))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
