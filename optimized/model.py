@@ -62,8 +62,16 @@ class Model:
         self.deterministic = deterministic
         self.split_size = split_size   # split-KV split length in tokens
         self.tp = tp                   # None: the whole model on one device
-        self._side: torch.cuda.Stream | None = None
         self.embed = weights["model.embed_tokens.weight"]
+        # Deterministic decodes take paged_attention, whose one-token queries would leave 256-row tiles mostly
+        # padding; its prefill takes the same 128-row tiles, so a token's bits do not depend on which computed it.
+        self.attention_rows = 128 if deterministic else 256
+        # A mixed step's split-KV decodes (memory-bound) run on this stream beside its prefill attention
+        # (compute-bound, one 256-row program per SM), on the SMs the prefill's last wave leaves idle (H200,
+        # prefill-heavy benchmark: 69.5% -> 72.6% of its roofline; same tokens). None on the CPU, and in
+        # deterministic mode, whose decodes are not split-KV.
+        device = self.embed.device
+        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" and not deterministic else None
         self.final_norm = weights["model.norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
         if tp is not None and self.lm_head.shape[0] < tp.vocab_rows:   # the last vocabulary slices: zero rows
@@ -163,13 +171,21 @@ class Model:
         out = self._linear(act_and_mul(self._linear(x, lw["gate_up"]), self.cfg.hidden_act), lw["down"])
         return out if self.tp is None else self.tp.all_reduce(out)
 
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
-        """The stream a mixed step's decode attention runs on (None: on the step's own; the CPU has one)."""
-        if device.type != "cuda":
-            return None
-        if self._side is None:
-            self._side = torch.cuda.Stream(device)
-        return self._side
+    def _decode_attention(self, q: torch.Tensor, out: torch.Tensor, inp: StepInputs, kv, window: int | None,
+                          decode_qsl: torch.Tensor | None, workspace: SplitWorkspace | None) -> None:
+        """The decodes' attention into out: single-pass in deterministic mode (decode_qsl), else split-KV,
+        reading shared prefixes once where the step has cascade groups."""
+        k_cache, v_cache = kv
+        args = (q, k_cache, v_cache, inp.decode_block_tables, inp.decode_seq_lens)
+        if decode_qsl is not None:
+            paged_attention(*args, decode_qsl, self.cfg.attn_scale, sliding_window=window, out=out,
+                            max_rows=self.attention_rows)
+        elif inp.cascade is not None:
+            cascade_decode(*args, inp.cascade, self.cfg.attn_scale, sliding_window=window,
+                           split_size=self.split_size, out=out, workspace=workspace)
+        else:
+            split_kv_decode(*args, self.cfg.attn_scale, sliding_window=window, split_size=self.split_size,
+                            out=out, workspace=workspace)
 
     def _attention(self, i: int, lw: dict, x: torch.Tensor, inp: StepInputs, kv, rope,
                    decode_qsl: torch.Tensor | None, workspace: SplitWorkspace | None) -> torch.Tensor:
@@ -180,31 +196,17 @@ class Model:
                        inp.slot_mapping, k_cache, v_cache, cfg.rms_norm_eps, cfg.norm_plus_one)
         out = torch.empty_like(q)
         window, p = cfg.window(i), inp.num_prefill_tokens
-        # Deterministic decodes take paged_attention, whose one-token queries would leave 256-row tiles mostly
-        # padding; its prefill takes the same 128-row tiles, so a token's bits do not depend on which computed it.
-        rows = 128 if self.deterministic else 256
-        # A mixed step's decodes (split-KV, memory-bound) go on a side stream before the prefill's attention
-        # (compute-bound, one 192 KB program per SM), so they run on the SMs its last wave leaves idle (H200,
-        # prefill-heavy benchmark: 69.5% -> 72.6% of its roofline; same tokens). Both only write their own rows
-        # of out, and the step's stream waits for the side stream before out is read.
-        side = self._side_stream(q.device) if p and p < t and decode_qsl is None else None
+        # Prefill and decodes write disjoint rows of out; the step's stream waits for the side stream before
+        # out is read.
+        side = self.side_stream if 0 < p < t else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(q.device))
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            if p < t and decode_qsl is not None:
-                paged_attention(q[p:], k_cache, v_cache, inp.decode_block_tables, inp.decode_seq_lens, decode_qsl,
-                                cfg.attn_scale, sliding_window=window, out=out[p:], max_rows=rows)
-            elif p < t and inp.cascade is not None:
-                cascade_decode(q[p:], k_cache, v_cache, inp.decode_block_tables, inp.decode_seq_lens, inp.cascade,
-                               cfg.attn_scale, sliding_window=window, split_size=self.split_size, out=out[p:],
-                               workspace=workspace)
-            elif p < t:
-                split_kv_decode(q[p:], k_cache, v_cache, inp.decode_block_tables, inp.decode_seq_lens,
-                                cfg.attn_scale, sliding_window=window, split_size=self.split_size, out=out[p:],
-                                workspace=workspace)
+        if p < t:
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                self._decode_attention(q[p:], out[p:], inp, kv, window, decode_qsl, workspace)
         if p:
             paged_attention(q[:p], k_cache, v_cache, inp.block_tables, inp.seq_lens, inp.query_start_loc,
-                            cfg.attn_scale, sliding_window=window, out=out[:p], max_rows=rows)
+                            cfg.attn_scale, sliding_window=window, out=out[:p], max_rows=self.attention_rows)
         if side is not None:
             torch.cuda.current_stream(q.device).wait_stream(side)
         out = self._linear(out.reshape(t, -1), lw["o"])

@@ -5,7 +5,8 @@ The CPU suite runs the kernels through Triton's interpreter, which never compile
 tile that outgrows shared memory, code the compiler rejects) would otherwise first show on a GPU. Each launcher
 is called on small CPU tensors with Hopper's shared memory assumed (227 KB a block), its kernel launch is
 caught before anything runs, and the caught arguments (the launcher's tile config included) are compiled with
-triton.compile for sm_90. That proves the kernels compile and fit, not their numbers (the GPU tests do that).
+triton.compile for sm_90; each must fit Hopper's shared memory. That proves the kernels compile and fit, not
+their numbers (the GPU tests do that).
 Needs TRITON_INTERPRET=0 before Triton is imported, hence the separate process.
 """
 import importlib
@@ -103,7 +104,10 @@ def main():
         launch()
         assert LAUNCHES, f"{name}: no kernel launched"
         for fn, args, kwargs in LAUNCHES:
-            print(json.dumps(dict(case=name, **compile_launch(fn, args, kwargs))), flush=True)
+            row = dict(case=name, **compile_launch(fn, args, kwargs))
+            print(json.dumps(row), flush=True)
+            assert row["shared"] <= HOPPER_SHARED_MEMORY, (f"{name}: {row['kernel']} takes {row['shared']} bytes "
+                                                           f"of shared memory, past Hopper's {HOPPER_SHARED_MEMORY}")
 
 
 if __name__ == "__main__":

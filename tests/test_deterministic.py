@@ -8,8 +8,9 @@ from hypothesis import example, given, settings, strategies as st
 
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from deterministic_cases import Arrival, Case, assert_bitwise, cases, run_case, solo_run
-from kernels import matmul, matmul_ref
-from optimized import Engine
+from kernels import matmul, matmul_ref, paged_attention
+import optimized.model
+from optimized import Engine, SamplingParams
 
 PROMPT_LENS = [13, 6, 9, 70]   # the last one only in LONG
 MAX_TOKENS = 5
@@ -114,3 +115,19 @@ def test_default_mode_is_not_batch_invariant_on_cpu_where_the_blas_rounds_by_row
 def test_deterministic_must_be_a_bool(ckpt):
     with pytest.raises(ValueError, match="deterministic must be a bool, got 'yes'"):
         Engine(ckpt, deterministic="yes")
+
+
+@pytest.mark.parametrize("deterministic, rows", [(True, 128), (False, 256)])
+def test_attention_tiles_are_capped_at_128_rows_only_in_deterministic_mode(ckpt, prompts, monkeypatch,
+                                                                          deterministic, rows):
+    # Deterministic decodes share the prefill's tiles, whose rows past 128 would be padding for them; the
+    # default mode's prefill may take 256 on Hopper (the CPU's interpreter takes 128 either way).
+    seen = []
+
+    def recording(*args, max_rows, **kwargs):
+        seen.append(max_rows)
+        return paged_attention(*args, max_rows=max_rows, **kwargs)
+    monkeypatch.setattr(optimized.model, "paged_attention", recording)
+    eng = Engine(ckpt, deterministic=deterministic, max_model_len=MAX_MODEL_LEN, split_kv_threshold=0)
+    eng.generate(prompts[:2], SamplingParams(max_tokens=3))
+    assert seen and set(seen) == {rows}

@@ -168,7 +168,7 @@ def test_tiles_take_256_rows_only_where_shared_memory_holds_them():
     pa = importlib.import_module("kernels.paged_attention")   # the package re-exports the function of that name
     assert pa.shared_memory(torch.device("cpu")) == 0
     assert pa.tile_config(128, 2, torch.bfloat16, 0)[0] == 128
-    assert pa.tile_config(128, 2, torch.bfloat16, 164 * 1024)[0] == 128   # A100: 256 rows would not fit
+    assert pa.tile_config(128, 2, torch.bfloat16, 164 * 1024)[0] == 128   # A100: 256 rows not measured there
     assert pa.tile_config(128, 2, torch.bfloat16, 227 * 1024)[0] == 256   # Hopper
     assert pa.tile_config(128, 2, torch.bfloat16, 227 * 1024, max_rows=128)[0] == 128
     assert pa.tile_config(128, 2, torch.float32, 227 * 1024)[0] == 64

@@ -7,17 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-HOPPER_SHARED_MEMORY = 227 * 1024   # bytes a block may opt into on an H100 or H200
-
 
 def test_attention_kernels_compile_for_hopper_and_fit_its_shared_memory():
     script = Path(__file__).with_name("hopper_compile.py")
     env = dict(os.environ, TRITON_INTERPRET="0")
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
+    # The script fails on a compile error or a kernel past Hopper's shared memory, naming it.
     assert proc.returncode == 0, f"compiling for sm_90 failed:\n{proc.stderr[-4000:]}"
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert {r["kernel"] for r in rows} == {"_paged_attention_kernel", "_split_kernel", "_shared_split_kernel"}
     # The launcher took its Hopper tiles (the interpreter's 128 rows would not prove them).
     assert [r["BLOCK_M"] for r in rows if r["kernel"] == "_paged_attention_kernel"] == [256]
-    too_big = [r for r in rows if r["shared"] > HOPPER_SHARED_MEMORY]
-    assert not too_big, f"kernels past Hopper's {HOPPER_SHARED_MEMORY} bytes of shared memory: {too_big}"
