@@ -1,8 +1,10 @@
 """The page pool: per-sequence block tables (a sequence's list of page ids, the field's usual name), reference counts, and the prefix cache of full pages.
 
 A full page is cached under a hash chain over every token before it plus its own tokens, so a page is
-reused only under exactly the same prefix (DESIGN.md, lesson 2). The token ids and the parent hash are
-stored beside the hash and compared on every hit, so even a hash collision cannot hand out wrong K/V.
+reused only under exactly the same prefix (DESIGN.md, lesson 2). Its key in the cache is its parent's chain
+hash followed by its own token ids' bytes, so a lookup compares the tokens exactly and everything before them
+by sha256; its own chain hash (sha256 over that key) is the parent part of its successors' keys. A probe thus
+computes no hash: a prompt's pages are looked up by key alone, and only a page becoming full is hashed once.
 A page is in exactly one of three states:
   in use      ref_count > 0 (shared when > 1; only cached full pages are ever shared)
   evictable   ref_count == 0, still cached; reusable until evicted in LRU order
@@ -18,9 +20,14 @@ from dataclasses import dataclass
 from optimized.sequence import Sequence
 
 
-def page_hash(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
-    """Stable hash-chain link: sha256 over the parent page's hash and this page's token ids."""
-    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+def token_bytes(token_ids) -> bytes:
+    """Token ids as the bytes a page's hash covers (int64 each)."""
+    return array("q", token_ids).tobytes()
+
+
+def page_hash(parent: bytes, tokens: bytes) -> bytes:
+    """Stable hash-chain link: sha256 over the parent page's hash and this page's `token_bytes`."""
+    return hashlib.sha256(parent + tokens).digest()
 
 
 @dataclass
@@ -29,7 +36,11 @@ class Page:
     ref_count: int = 0
     hash: bytes | None = None                 # set while the page is in the prefix cache
     parent_hash: bytes = b""
-    token_ids: tuple[int, ...] = ()
+    tokens: bytes = b""                       # its token ids' `token_bytes`, while cached
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(array("q", self.tokens))
 
 
 class PagePool:
@@ -44,7 +55,7 @@ class PagePool:
         self.pages = [Page(i) for i in range(num_pages)]
         self.free_page_ids: deque[int] = deque(range(num_pages))
         self.evictable: OrderedDict[int, None] = OrderedDict()   # least recently freed first
-        self.cached: dict[bytes, int] = {}                        # hash -> page id
+        self.cached: dict[bytes, int] = {}                        # parent_hash + tokens -> page id
 
     @property
     def num_free_pages(self) -> int:
@@ -67,17 +78,16 @@ class PagePool:
         if not self.enable_prefix_caching:
             return found
         parent = b""
-        for i in range((seq.num_tokens - 1) // self.page_size):
-            tokens = tuple(seq.token_ids[i * self.page_size:(i + 1) * self.page_size])
-            h = page_hash(parent, tokens)
-            page_id = self.cached.get(h)
+        # Prompts run to many thousands of tokens, probed at each admission attempt: their bytes are made in one
+        # pass and sliced per page.
+        step = 8 * self.page_size
+        data = token_bytes(seq.token_ids[:(seq.num_tokens - 1) // self.page_size * self.page_size])
+        for lo in range(0, len(data), step):
+            page_id = self.cached.get(parent + data[lo:lo + step])
             if page_id is None:
                 break
-            page = self.pages[page_id]
-            if page.token_ids != tokens or page.parent_hash != parent:
-                break
-            found.append((page_id, h))
-            parent = h
+            parent = self.pages[page_id].hash
+            found.append((page_id, parent))
         return found
 
     def can_admit(self, prefix: list[tuple[int, bytes]], num_new_tokens: int) -> bool:
@@ -133,8 +143,8 @@ class PagePool:
             return self.free_page_ids.popleft()
         page_id, _ = self.evictable.popitem(last=False)
         page = self.pages[page_id]
-        del self.cached[page.hash]
-        page.hash, page.parent_hash, page.token_ids = None, b"", ()
+        del self.cached[page.parent_hash + page.tokens]
+        page.hash, page.parent_hash, page.tokens = None, b"", b""
         return page_id
 
     def commit(self, seq: Sequence, num_tokens: int | None = None) -> None:
@@ -149,14 +159,14 @@ class PagePool:
                              f"{len(seq.block_table)} pages")
         for i in range(len(seq.page_hashes), num_full):
             parent = seq.page_hashes[-1] if seq.page_hashes else b""
-            tokens = tuple(seq.token_ids[i * self.page_size:(i + 1) * self.page_size])
+            tokens = token_bytes(seq.token_ids[i * self.page_size:(i + 1) * self.page_size])
             h = page_hash(parent, tokens)
             seq.page_hashes.append(h)
             page = self.pages[seq.block_table[i]]
             # Another sequence may have cached the same content first: keep that one, this page stays private.
-            if h not in self.cached:
-                self.cached[h] = page.page_id
-                page.hash, page.parent_hash, page.token_ids = h, parent, tokens
+            if parent + tokens not in self.cached:
+                self.cached[parent + tokens] = page.page_id
+                page.hash, page.parent_hash, page.tokens = h, parent, tokens
 
     def free(self, seq: Sequence) -> None:
         """Give back seq's pages: cached ones become evictable, the rest free. Resets seq to no pages."""
