@@ -76,7 +76,7 @@ class Launched:
     """A step whose forward is launched: the sequences that sample (in logits-row order), their logits, and
     the copy to the host of their greedy tokens (complete once `ready` has passed)."""
     seqs: list
-    logits: torch.Tensor          # float32 [N, vocab]; a graph step's are overwritten by the next replay
+    logits: torch.Tensor          # [N, vocab] as Model.forward gives them; a graph step's last until the next replay
     host_tokens: torch.Tensor     # int64 [N], argmax of each row (pinned on GPU)
     ready: torch.cuda.Event | None
 
