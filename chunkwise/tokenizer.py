@@ -78,11 +78,10 @@ def encode_prompts(prompts, tokenizer, cfg: ModelConfig) -> list[list[int]]:
             raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
         if not ids:
             raise ValueError(f"prompt {i} is empty")
-        if set(map(type, ids)) - {int}:   # not all plain ints (checked at C speed): numpy ints, or a bad element
-            bad = next((t for t in ids if not is_int(t)), None)
-            if bad is not None:
-                raise ValueError(f"prompt {i} holds {bad!r}, which is not an integer token id")
-            ids = list(map(int, ids))   # numpy ints become plain ints
+        if not all_ints(ids):
+            bad = next(t for t in ids if not is_int(t))
+            raise ValueError(f"prompt {i} holds {bad!r}, which is not an integer token id")
+        ids = list(map(int, ids))   # numpy ints become plain ints
         if min(ids) < 0 or max(ids) >= cfg.vocab_size:
             bad = next(t for t in ids if not 0 <= t < cfg.vocab_size)
             raise ValueError(f"prompt {i} holds token id {bad!r}, outside the vocabulary [0, {cfg.vocab_size})")

@@ -20,8 +20,11 @@ from dataclasses import dataclass
 from optimized.sequence import Sequence
 
 
+TOKEN_BYTES = array("q").itemsize   # a token id's bytes in a page's key
+
+
 def token_bytes(token_ids) -> bytes:
-    """Token ids as the bytes a page's hash covers (int64 each)."""
+    """Token ids as the bytes of a page's key (int64 each)."""
     return array("q", token_ids).tobytes()
 
 
@@ -37,6 +40,11 @@ class Page:
     hash: bytes | None = None                 # set while the page is in the prefix cache
     parent_hash: bytes = b""
     tokens: bytes = b""                       # its token ids' `token_bytes`, while cached
+
+    @property
+    def key(self) -> bytes:
+        """Its key in the prefix cache: the parent's chain hash, then its own token bytes."""
+        return self.parent_hash + self.tokens
 
     @property
     def token_ids(self) -> tuple[int, ...]:
@@ -80,7 +88,7 @@ class PagePool:
         parent = b""
         # Prompts run to many thousands of tokens, probed at each admission attempt: their bytes are made in one
         # pass and sliced per page.
-        step = 8 * self.page_size
+        step = TOKEN_BYTES * self.page_size
         data = token_bytes(seq.token_ids[:(seq.num_tokens - 1) // self.page_size * self.page_size])
         for lo in range(0, len(data), step):
             page_id = self.cached.get(parent + data[lo:lo + step])
@@ -143,7 +151,7 @@ class PagePool:
             return self.free_page_ids.popleft()
         page_id, _ = self.evictable.popitem(last=False)
         page = self.pages[page_id]
-        del self.cached[page.parent_hash + page.tokens]
+        del self.cached[page.key]
         page.hash, page.parent_hash, page.tokens = None, b"", b""
         return page_id
 
@@ -164,8 +172,9 @@ class PagePool:
             seq.page_hashes.append(h)
             page = self.pages[seq.block_table[i]]
             # Another sequence may have cached the same content first: keep that one, this page stays private.
-            if parent + tokens not in self.cached:
-                self.cached[parent + tokens] = page.page_id
+            key = parent + tokens
+            if key not in self.cached:
+                self.cached[key] = page.page_id
                 page.hash, page.parent_hash, page.tokens = h, parent, tokens
 
     def free(self, seq: Sequence) -> None:

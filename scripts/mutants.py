@@ -227,7 +227,7 @@ MUTANTS = [
            "",
            "a cached page taken by a new request stays evictable and can be handed out while in use"),
     Mutant("eviction_keeps_the_cache_entry", "optimized/page_pool.py",
-           "        del self.cached[page.parent_hash + page.tokens]\n",
+           "        del self.cached[page.key]\n",
            "",
            "an evicted page stays in the hash table, pointing at a page that now holds other tokens"),
     Mutant("eviction_most_recently_used", "optimized/page_pool.py",

@@ -172,4 +172,3 @@ def test_tiles_take_256_rows_only_where_shared_memory_holds_them():
     assert pa.tile_config(128, 2, torch.bfloat16, 227 * 1024)[0] == 256   # Hopper
     assert pa.tile_config(128, 2, torch.bfloat16, 227 * 1024, max_rows=128)[0] == 128
     assert pa.tile_config(128, 2, torch.float32, 227 * 1024)[0] == 64
-

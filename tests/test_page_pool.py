@@ -161,7 +161,7 @@ class PagePoolMachine(RuleBasedStateMachine):
         bm = self.bm
         for key, p in bm.cached.items():
             page = bm.pages[p]
-            assert key == page.parent_hash + page.tokens and page.hash == page_hash(page.parent_hash, page.tokens)
+            assert key == page.key and page.hash == page_hash(page.parent_hash, page.tokens)
             for off, tok in enumerate(page.token_ids):
                 slot = self.kv[p][off]
                 assert slot is not None and slot[-1] == tok, f"cached page {p} slot {off} holds K/V {slot}"
@@ -242,7 +242,7 @@ def test_an_evicted_prefix_computed_again_is_cached_again():
     assert bm.match_prefix(Sequence(2, [1, 2, 3])) == 0
     bm.free(run_prompt(bm, 3, [1, 2]))           # evicts [7, 8]; [1, 2] is cached anew
     assert bm.match_prefix(Sequence(4, [1, 2, 3])) == 2
-    assert len(bm.cached) == 2 and all(bm.pages[p].parent_hash + bm.pages[p].tokens == k for k, p in bm.cached.items()), \
+    assert len(bm.cached) == 2 and all(bm.pages[p].key == k for k, p in bm.cached.items()), \
         "the hash table still holds evicted pages"
 
 
