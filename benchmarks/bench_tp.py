@@ -13,8 +13,12 @@ another seed, then the timed run, asserted to compile no Triton kernel (rank 0's
 shapes). Then a decode window: 64 sequences of 512 prompt tokens decoding together, 16 steps timed, 16 more under
 torch.profiler on rank 0, whose NCCL kernels per step (2 all-reduces per layer, the embedding's, the logits gather;
 waits for the other rank included) give the communication time per decode step.
+Then a whole run of a third workload (same sizes, other prompts) under torch.profiler on rank 0: its NCCL kernel
+time, the share of that run it takes, and from it the speed-up TP=2 would reach if communication took no time (its
+seconds less the NCCL time; an upper bound for any faster all-reduce, as every collective sits on rank 0's stream).
 Reported: output tok/s, TP=2's speed-up and scaling efficiency (speed-up / 2; issue 12's goal: TP=2 >= 1.7x TP=1),
-decode step time, NCCL time per decode step and its share of the step, and each engine against its roofline
+that communication-free bound, decode step time, NCCL time per decode step and its share of the step, NCCL's share
+of the whole run, and each engine against its roofline
 (benchmarks/roofline.py, ceilings measured on GPU 0; N ranks' ideal is N times one GPU's: each reads 1/N of the
 weights and KV and does 1/N of the FLOPs, communication free).
 NVLink multicast stays off: NCCL_NVLS_ENABLE=0 and its kin are set here when unset, and the workers inherit them.
@@ -124,6 +128,22 @@ def setup(ckpt):
     return w, roof
 
 
+def nccl_ms(prof) -> float:
+    """Milliseconds of NCCL kernels in a torch.profiler trace (CUDA activity)."""
+    return sum(e.time_range.elapsed_us() for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower()) / 1e3
+
+
+def communication_share(eng: Engine) -> dict:
+    """A whole run of another workload of the same sizes under torch.profiler on rank 0: its seconds and NCCL
+    kernel milliseconds (waits for the other ranks included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _, seconds = run_engine(eng, make_workload(SPEC, LLAMA3_8B_SHAPE["vocab_size"], seed=2))
+    return dict(profiled_run_s=seconds, run_nccl_ms=nccl_ms(prof))
+
+
 def decode_window(eng: Engine) -> dict:
     """Decode step time of WINDOW_SEQS sequences decoding together, and rank 0's NCCL kernel time per step."""
     from torch.profiler import ProfilerActivity, profile
@@ -149,12 +169,11 @@ def decode_window(eng: Engine) -> dict:
             eng.step()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    nccl = [e for e in kernels if "nccl" in e.name.lower()]
     while eng.has_unfinished():
         eng.step()
     return dict(decode_step_ms=1e3 * step_s, kernels_per_step=len(kernels) / WINDOW_STEPS,
-                nccl_calls_per_step=len(nccl) / WINDOW_STEPS,
-                nccl_ms_per_step=sum(e.time_range.elapsed_us() for e in nccl) / 1e3 / WINDOW_STEPS)
+                nccl_calls_per_step=sum("nccl" in e.name.lower() for e in kernels) / WINDOW_STEPS,
+                nccl_ms_per_step=nccl_ms(prof) / WINDOW_STEPS)
 
 
 @pytest.mark.parametrize("tp", SIZES, ids=[f"tp{n}" for n in SIZES])
@@ -171,6 +190,7 @@ def test_engine_throughput(benchmark, ckpt, setup, tp):
         compiles = len(COMPILED)
         tokens, seconds = benchmark.pedantic(run_engine, args=(eng, w), rounds=1, iterations=1)
         timed_compiles = COMPILED[compiles:]
+        comm = communication_share(eng)
         window = decode_window(eng)
         num_pages, graphs = eng.runner.num_pages, len(eng.runner.graphs)
     finally:   # the KV cache fills the GPUs: free them (and stop the worker) even when a check failed
@@ -181,12 +201,14 @@ def test_engine_throughput(benchmark, ckpt, setup, tp):
     assert not timed_compiles, f"the timed run compiled Triton kernels: {timed_compiles}"
     r = dict(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, construct_s=construct,
              pct_roofline=100 * tokens / seconds / (tp * roof["tokens_per_s"]), num_pages=num_pages,
-             cuda_graphs=graphs, **window)
+             cuda_graphs=graphs, **comm, **window)
+    r["run_nccl_share"] = r["run_nccl_ms"] / 1e3 / r["profiled_run_s"]
     if tp > 1 and 1 in RESULTS:
         one = RESULTS[1]
         r["speedup"] = r["tokens_per_s"] / one["tokens_per_s"]
         r["efficiency"] = r["speedup"] / tp
         r["decode_step_speedup"] = one["decode_step_ms"] / r["decode_step_ms"]
+        r["speedup_without_communication"] = r["speedup"] / (1 - r["run_nccl_share"])
         if r["nccl_calls_per_step"]:
             r["nccl_share"] = r["nccl_ms_per_step"] / r["decode_step_ms"]
     RESULTS[tp] = r
@@ -194,7 +216,9 @@ def test_engine_throughput(benchmark, ckpt, setup, tp):
     print(f"TP={tp}: {tokens} tokens in {seconds:.2f} s = {r['tokens_per_s']:.0f} tok/s "
           f"({r['pct_roofline']:.1f}% of its roofline), Engine(...) {construct:.1f} s; decode step "
           f"{r['decode_step_ms']:.2f} ms, NCCL {r['nccl_ms_per_step']:.3f} ms in {r['nccl_calls_per_step']:.0f} "
-          f"kernels per step ({'expected ' + str(NCCL_CALLS_PER_STEP) if tp > 1 else 'none expected'})")
+          f"kernels per step ({'expected ' + str(NCCL_CALLS_PER_STEP) if tp > 1 else 'none expected'}); whole "
+          f"run (profiled, {r['profiled_run_s']:.2f} s): NCCL {r['run_nccl_ms']:.0f} ms = "
+          f"{100 * r['run_nccl_share']:.1f}%")
     if tp > 1 and r["nccl_calls_per_step"] == 0:
         print("  the profiler saw no NCCL kernel: its figure for TP=2 is missing, not zero")
 
@@ -204,12 +228,13 @@ def report():
     yield
     if not RESULTS:
         return
-    lines = [f"{'engine':7} {'tok/s':>8} {'% roof':>7} {'speed-up':>9} {'effic.':>7} {'decode ms':>10} "
-             f"{'NCCL ms':>8} {'NCCL %':>7}"]
+    lines = [f"{'engine':7} {'tok/s':>8} {'% roof':>7} {'speed-up':>9} {'effic.':>7} {'no-comm':>8} "
+             f"{'decode ms':>10} {'NCCL ms':>8} {'NCCL %':>7} {'run NCCL %':>11}"]
     for tp, r in RESULTS.items():
-        extra = (f"{r['speedup']:8.2f}x {100 * r['efficiency']:6.1f}%" if "speedup" in r else f"{'-':>9} {'-':>7}")
+        extra = (f"{r['speedup']:8.2f}x {100 * r['efficiency']:6.1f}% {r['speedup_without_communication']:7.2f}x"
+                 if "speedup" in r else f"{'-':>9} {'-':>7} {'-':>8}")
         nccl = (f"{r['nccl_ms_per_step']:8.3f} {100 * r['nccl_share']:6.1f}%" if "nccl_share" in r
                 else f"{'-':>8} {'-':>7}")
         lines.append(f"TP={tp:<4} {r['tokens_per_s']:8.0f} {r['pct_roofline']:7.1f} {extra} "
-                     f"{r['decode_step_ms']:10.2f} {nccl}")
+                     f"{r['decode_step_ms']:10.2f} {nccl} {100 * r['run_nccl_share']:10.1f}%")
     print("\nLlama-3-8B shape, random bf16, " + f"{SPEC.requests} requests:\n" + "\n".join(lines))
