@@ -13,9 +13,10 @@ another seed, then the timed run, asserted to compile no Triton kernel (rank 0's
 shapes). Then a decode window: 64 sequences of 512 prompt tokens decoding together, 16 steps timed, 16 more under
 torch.profiler on rank 0, whose NCCL kernels per step (2 all-reduces per layer, the embedding's, the logits gather;
 waits for the other rank included) give the communication time per decode step.
-Then a whole run of a third workload (same sizes, other prompts) under torch.profiler on rank 0: its NCCL kernel
-time, the share of that run it takes, and from it the speed-up TP=2 would reach if communication took no time (its
-seconds less the NCCL time; an upper bound for any faster all-reduce, as every collective sits on rank 0's stream).
+For TP > 1, a whole run of a third workload (same sizes, other prompts) under torch.profiler on rank 0: its
+NCCL kernel time, the share of that run it takes, and from it the speed-up TP=2 would reach if communication took
+no time (its seconds less the NCCL time; an upper bound for any faster all-reduce, as every collective sits on
+rank 0's stream).
 Reported: output tok/s, TP=2's speed-up and scaling efficiency (speed-up / 2; issue 12's goal: TP=2 >= 1.7x TP=1),
 that communication-free bound, decode step time, NCCL time per decode step and its share of the step, NCCL's share
 of the whole run, and each engine against its roofline
@@ -134,6 +135,11 @@ def nccl_ms(prof) -> float:
                if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower()) / 1e3
 
 
+def speedup_without_communication(speedup: float, nccl_share: float) -> float:
+    """The speed-up a run would show if its NCCL time (nccl_share of its seconds, on rank 0's stream) were zero."""
+    return speedup / (1 - nccl_share)
+
+
 def communication_share(eng: Engine) -> dict:
     """A whole run of another workload of the same sizes under torch.profiler on rank 0: its seconds and NCCL
     kernel milliseconds (waits for the other ranks included)."""
@@ -141,7 +147,8 @@ def communication_share(eng: Engine) -> dict:
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _, seconds = run_engine(eng, make_workload(SPEC, LLAMA3_8B_SHAPE["vocab_size"], seed=2))
-    return dict(profiled_run_s=seconds, run_nccl_ms=nccl_ms(prof))
+    ms = nccl_ms(prof)
+    return dict(profiled_run_s=seconds, run_nccl_ms=ms, run_nccl_share=ms / 1e3 / seconds)
 
 
 def decode_window(eng: Engine) -> dict:
@@ -190,7 +197,7 @@ def test_engine_throughput(benchmark, ckpt, setup, tp):
         compiles = len(COMPILED)
         tokens, seconds = benchmark.pedantic(run_engine, args=(eng, w), rounds=1, iterations=1)
         timed_compiles = COMPILED[compiles:]
-        comm = communication_share(eng)
+        comm = communication_share(eng) if tp > 1 else {}   # one GPU runs no collective
         window = decode_window(eng)
         num_pages, graphs = eng.runner.num_pages, len(eng.runner.graphs)
     finally:   # the KV cache fills the GPUs: free them (and stop the worker) even when a check failed
@@ -202,13 +209,12 @@ def test_engine_throughput(benchmark, ckpt, setup, tp):
     r = dict(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, construct_s=construct,
              pct_roofline=100 * tokens / seconds / (tp * roof["tokens_per_s"]), num_pages=num_pages,
              cuda_graphs=graphs, **comm, **window)
-    r["run_nccl_share"] = r["run_nccl_ms"] / 1e3 / r["profiled_run_s"]
     if tp > 1 and 1 in RESULTS:
         one = RESULTS[1]
         r["speedup"] = r["tokens_per_s"] / one["tokens_per_s"]
         r["efficiency"] = r["speedup"] / tp
         r["decode_step_speedup"] = one["decode_step_ms"] / r["decode_step_ms"]
-        r["speedup_without_communication"] = r["speedup"] / (1 - r["run_nccl_share"])
+        r["speedup_without_communication"] = speedup_without_communication(r["speedup"], r["run_nccl_share"])
         if r["nccl_calls_per_step"]:
             r["nccl_share"] = r["nccl_ms_per_step"] / r["decode_step_ms"]
     RESULTS[tp] = r
@@ -216,9 +222,9 @@ def test_engine_throughput(benchmark, ckpt, setup, tp):
     print(f"TP={tp}: {tokens} tokens in {seconds:.2f} s = {r['tokens_per_s']:.0f} tok/s "
           f"({r['pct_roofline']:.1f}% of its roofline), Engine(...) {construct:.1f} s; decode step "
           f"{r['decode_step_ms']:.2f} ms, NCCL {r['nccl_ms_per_step']:.3f} ms in {r['nccl_calls_per_step']:.0f} "
-          f"kernels per step ({'expected ' + str(NCCL_CALLS_PER_STEP) if tp > 1 else 'none expected'}); whole "
-          f"run (profiled, {r['profiled_run_s']:.2f} s): NCCL {r['run_nccl_ms']:.0f} ms = "
-          f"{100 * r['run_nccl_share']:.1f}%")
+          f"kernels per step ({'expected ' + str(NCCL_CALLS_PER_STEP) if tp > 1 else 'none expected'})"
+          + (f"; whole run (profiled, {r['profiled_run_s']:.2f} s): NCCL {r['run_nccl_ms']:.0f} ms = "
+             f"{100 * r['run_nccl_share']:.1f}%" if comm else ""))
     if tp > 1 and r["nccl_calls_per_step"] == 0:
         print("  the profiler saw no NCCL kernel: its figure for TP=2 is missing, not zero")
 
@@ -236,5 +242,6 @@ def report():
         nccl = (f"{r['nccl_ms_per_step']:8.3f} {100 * r['nccl_share']:6.1f}%" if "nccl_share" in r
                 else f"{'-':>8} {'-':>7}")
         lines.append(f"TP={tp:<4} {r['tokens_per_s']:8.0f} {r['pct_roofline']:7.1f} {extra} "
-                     f"{r['decode_step_ms']:10.2f} {nccl} {100 * r['run_nccl_share']:10.1f}%")
+                     f"{r['decode_step_ms']:10.2f} {nccl} "
+                     + (f"{100 * r['run_nccl_share']:10.1f}%" if "run_nccl_share" in r else f"{'-':>11}"))
     print("\nLlama-3-8B shape, random bf16, " + f"{SPEC.requests} requests:\n" + "\n".join(lines))

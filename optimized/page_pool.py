@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from optimized.sequence import Sequence
 
 
-TOKEN_BYTES = array("q").itemsize   # a token id's bytes in a page's key
+TOKEN_FORMAT = "q"   # a token id in a page's key: int64
+TOKEN_BYTES = array(TOKEN_FORMAT).itemsize
 
 
 def token_bytes(token_ids) -> bytes:
-    """Token ids as the bytes of a page's key (int64 each)."""
-    return array("q", token_ids).tobytes()
+    """Token ids as the bytes of a page's key."""
+    return array(TOKEN_FORMAT, token_ids).tobytes()
 
 
 def page_hash(parent: bytes, tokens: bytes) -> bytes:
@@ -48,7 +49,7 @@ class Page:
 
     @property
     def token_ids(self) -> tuple[int, ...]:
-        return tuple(array("q", self.tokens))
+        return tuple(array(TOKEN_FORMAT, self.tokens))
 
 
 class PagePool:
