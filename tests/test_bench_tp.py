@@ -1,21 +1,15 @@
 """benchmarks/bench_tp.py's CPU-side parts: its random checkpoint (sharded safetensors with an index) loads in the
 engine and has the shape asked for; its communication-free bound; without two GPUs its benchmarks are collected
 and skipped, not errors."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from child_pytest import run_pytest
 
 from benchmarks.bench_tp import random_checkpoint, speedup_without_communication
 from benchmarks.roofline import ModelCost
 from chunkwise.config import ModelConfig
 from chunkwise.weights import INDEX_FILE, load_weights
 from optimized import Engine, SamplingParams
-
-REPO = Path(__file__).resolve().parents[1]
 SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
              bos_token_id=1, eos_token_id=2)
@@ -38,9 +32,7 @@ def test_random_checkpoint_is_sharded_of_the_shape_and_runs(tmp_path):
 def test_without_two_gpus_the_benchmarks_are_collected_and_skipped():
     if torch.cuda.device_count() >= 2:
         pytest.skip("two GPUs here: the benchmarks run")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--benchmark-only", "benchmarks/bench_tp.py", "-q", "-rs",
-                           "-p", "no:cacheprovider"], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    proc = run_pytest("--benchmark-only", "benchmarks/bench_tp.py", "-q", "-rs")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 skipped" in proc.stdout, proc.stdout
 

@@ -1,19 +1,11 @@
 """`pytest --benchmark-only` from the root runs benchmarks/ (and only benchmarks), while a plain test run
 deselects them and says how to run them."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
+from child_pytest import run_pytest
 
 
 def collect(*args: str) -> list[str]:
     """pytest's --collect-only output from the repo root with `args`."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           *args],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    proc = run_pytest("--collect-only", "-q", *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout.splitlines()
 

@@ -26,7 +26,8 @@ from chunkwise.config import ModelConfig
 from chunkwise.real_checkpoints import CHECKPOINTS, Part, RealCheckpoint, assemble, checkpoint, part_paths, prepare
 from chunkwise.sampling import SamplingParams
 
-pytestmark = [pytest.mark.realmodel, pytest.mark.correctness]
+# One xdist worker runs them all, so two of their 0.5B-parameter float32 models never sit in memory at once.
+pytestmark = [pytest.mark.realmodel, pytest.mark.correctness, pytest.mark.xdist_group("real_checkpoints")]
 
 QWEN, GEMMA = "qwen2.5-coder-0.5b", "gemma3-270m"
 PROMPTS = {QWEN: "def quicksort(arr):", GEMMA: "The three primary colors are"}
