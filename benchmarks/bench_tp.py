@@ -129,10 +129,17 @@ def setup(ckpt):
     return w, roof
 
 
-def nccl_ms(prof) -> float:
-    """Milliseconds of NCCL kernels in a torch.profiler trace (CUDA activity)."""
-    return sum(e.time_range.elapsed_us() for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower()) / 1e3
+def cuda_kernels(prof) -> list:
+    """The CUDA activity of a torch.profiler trace."""
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def nccl_kernels(kernels: list) -> list:
+    return [e for e in kernels if "nccl" in e.name.lower()]
+
+
+def total_ms(kernels: list) -> float:
+    return sum(e.time_range.elapsed_us() for e in kernels) / 1e3
 
 
 def speedup_without_communication(speedup: float, nccl_share: float) -> float:
@@ -147,7 +154,7 @@ def communication_share(eng: Engine) -> dict:
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _, seconds = run_engine(eng, make_workload(SPEC, LLAMA3_8B_SHAPE["vocab_size"], seed=2))
-    ms = nccl_ms(prof)
+    ms = total_ms(nccl_kernels(cuda_kernels(prof)))
     return dict(profiled_run_s=seconds, run_nccl_ms=ms, run_nccl_share=ms / 1e3 / seconds)
 
 
@@ -175,12 +182,12 @@ def decode_window(eng: Engine) -> dict:
         for _ in range(WINDOW_STEPS):
             eng.step()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = cuda_kernels(prof)
+    nccl = nccl_kernels(kernels)
     while eng.has_unfinished():
         eng.step()
     return dict(decode_step_ms=1e3 * step_s, kernels_per_step=len(kernels) / WINDOW_STEPS,
-                nccl_calls_per_step=sum("nccl" in e.name.lower() for e in kernels) / WINDOW_STEPS,
-                nccl_ms_per_step=nccl_ms(prof) / WINDOW_STEPS)
+                nccl_calls_per_step=len(nccl) / WINDOW_STEPS, nccl_ms_per_step=total_ms(nccl) / WINDOW_STEPS)
 
 
 @pytest.mark.parametrize("tp", SIZES, ids=[f"tp{n}" for n in SIZES])
