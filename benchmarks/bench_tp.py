@@ -8,18 +8,21 @@ $CHUNKWISE_CACHE/bench/ (16 GB; each tensor drawn on the GPU from a fixed seed, 
 does) and loaded through the engine's own loader: each TP=2 rank keeps only its slices.
 Workload (bench_engine.py's decode-heavy one, scaled to run in minutes): 128 requests, random prompts of 128..1024
 tokens, 64..384 output tokens (ignore_eos), all running at once (max_num_seqs 128).
+Engines: TP=1, TP=2 (NCCL, the default) and TP=2 with the custom all-reduce for the all-reduces that fit it (NCCL
+for the rest), so the custom all-reduce's gain is measured in the same run.
 Per engine: construction (weights, warm-up, CUDA graphs; for TP=2 the worker too), a first run on 32 requests of
 another seed, then the timed run, asserted to compile no Triton kernel (rank 0's count; every rank runs the same
 shapes). Then a decode window: 64 sequences of 512 prompt tokens decoding together, 16 steps timed, 16 more under
-torch.profiler on rank 0, whose NCCL kernels per step (2 all-reduces per layer, the embedding's, the logits gather;
-waits for the other rank included) give the communication time per decode step.
+torch.profiler on rank 0, whose communication kernels per step (2 all-reduces per layer, the embedding's, the
+logits gather; NCCL's or the custom all-reduce's, whose fused residual add and norm count with it; waits for the
+other rank included) give the communication time per decode step.
 For TP > 1, a whole run of a third workload (same sizes, other prompts) under torch.profiler on rank 0: its
-NCCL kernel time, the share of that run it takes, and from it the speed-up TP=2 would reach if communication took
-no time (its seconds less the NCCL time; an upper bound for any faster all-reduce, as every collective sits on
-rank 0's stream).
+communication kernel time, the share of that run it takes, and from it the speed-up TP=2 would reach if
+communication took no time (its seconds less that time; an upper bound for any faster all-reduce, as every
+collective sits on rank 0's stream).
 Reported: output tok/s, TP=2's speed-up and scaling efficiency (speed-up / 2; issue 12's goal: TP=2 >= 1.7x TP=1),
-that communication-free bound, decode step time, NCCL time per decode step and its share of the step, NCCL's share
-of the whole run, and each engine against its roofline
+that communication-free bound, decode step time, communication per decode step and its share of the step, its
+share of the whole run, and each engine against its roofline
 (benchmarks/roofline.py, ceilings measured on GPU 0; N ranks' ideal is N times one GPU's: each reads 1/N of the
 weights and KV and does 1/N of the FLOPs, communication free).
 NVLink multicast stays off: NCCL_NVLS_ENABLE=0 and its kin are set here when unset, and the workers inherit them.
@@ -52,10 +55,11 @@ LLAMA3_8B_SHAPE = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14
 SPEC = Spec(128, (128, 1024), (64, 384), 128, hf_requests=0, hf_batch=1, cb_requests=0)
 FIRST_RUN_REQUESTS = 32
 WINDOW_SEQS, WINDOW_PROMPT, WINDOW_STEPS = 64, 512, 16
-NCCL_CALLS_PER_STEP = 2 * LLAMA3_8B_SHAPE["num_hidden_layers"] + 2   # o and down per layer, embedding, logits
+COMM_CALLS_PER_STEP = 2 * LLAMA3_8B_SHAPE["num_hidden_layers"] + 2   # o and down per layer, embedding, logits
 SHARD_BYTES = 4 << 30
-SIZES = [1, 2]
-RESULTS: dict[int, dict] = {}
+# (label, tensor_parallel_size, custom_all_reduce): TP=2 also with the custom all-reduce, same run
+CASES = [("TP=1", 1, False), ("TP=2", 2, False), ("TP=2 custom", 2, True)]
+RESULTS: dict[str, dict] = {}
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -129,37 +133,44 @@ def setup(ckpt):
     return w, roof
 
 
+def is_communication(kernel: str) -> bool:
+    """NCCL's kernels and the custom all-reduce's (its fused norm counted with it)."""
+    return "nccl" in kernel.lower() or "_all_reduce_kernel" in kernel
+
+
 def cuda_kernels(prof) -> list:
     """The CUDA activity of a torch.profiler trace."""
     return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def nccl_kernels(kernels: list) -> list:
-    return [e for e in kernels if "nccl" in e.name.lower()]
+def comm_kernels(kernels: list) -> list:
+    return [e for e in kernels if is_communication(e.name)]
 
 
 def total_ms(kernels: list) -> float:
     return sum(e.time_range.elapsed_us() for e in kernels) / 1e3
 
 
-def speedup_without_communication(speedup: float, nccl_share: float) -> float:
-    """The speed-up a run would show if its NCCL time (nccl_share of its seconds, on rank 0's stream) were zero."""
-    return speedup / (1 - nccl_share)
+def speedup_without_communication(speedup: float, comm_share: float) -> float:
+    """The speed-up a run would show if its communication (comm_share of its seconds, on rank 0's stream) took
+    no time."""
+    return speedup / (1 - comm_share)
 
 
 def communication_share(eng: Engine) -> dict:
-    """A whole run of another workload of the same sizes under torch.profiler on rank 0: its seconds and NCCL
-    kernel milliseconds (waits for the other ranks included)."""
+    """A whole run of another workload of the same sizes under torch.profiler on rank 0: its seconds and
+    communication kernel milliseconds (waits for the other ranks included)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _, seconds = run_engine(eng, make_workload(SPEC, LLAMA3_8B_SHAPE["vocab_size"], seed=2))
-    ms = total_ms(nccl_kernels(cuda_kernels(prof)))
-    return dict(profiled_run_s=seconds, run_nccl_ms=ms, run_nccl_share=ms / 1e3 / seconds)
+    ms = total_ms(comm_kernels(cuda_kernels(prof)))
+    return dict(profiled_run_s=seconds, run_comm_ms=ms, run_comm_share=ms / 1e3 / seconds)
 
 
 def decode_window(eng: Engine) -> dict:
-    """Decode step time of WINDOW_SEQS sequences decoding together, and rank 0's NCCL kernel time per step."""
+    """Decode step time of WINDOW_SEQS sequences decoding together, and rank 0's communication kernel time per
+    step."""
     from torch.profiler import ProfilerActivity, profile
 
     gen = torch.Generator().manual_seed(3)
@@ -183,21 +194,22 @@ def decode_window(eng: Engine) -> dict:
             eng.step()
         torch.cuda.synchronize()
     kernels = cuda_kernels(prof)
-    nccl = nccl_kernels(kernels)
+    comm = comm_kernels(kernels)
     while eng.has_unfinished():
         eng.step()
     return dict(decode_step_ms=1e3 * step_s, kernels_per_step=len(kernels) / WINDOW_STEPS,
-                nccl_calls_per_step=len(nccl) / WINDOW_STEPS, nccl_ms_per_step=total_ms(nccl) / WINDOW_STEPS)
+                comm_calls_per_step=len(comm) / WINDOW_STEPS, comm_ms_per_step=total_ms(comm) / WINDOW_STEPS)
 
 
-@pytest.mark.parametrize("tp", SIZES, ids=[f"tp{n}" for n in SIZES])
-def test_engine_throughput(benchmark, ckpt, setup, tp):
+@pytest.mark.parametrize("label, tp, custom", CASES, ids=["tp1", "tp2", "tp2-custom"])
+def test_engine_throughput(benchmark, ckpt, setup, label, tp, custom):
     w, roof = setup
     gc.collect()
     torch.cuda.empty_cache()
     start = time.perf_counter()
     eng = Engine(ckpt, dtype="bfloat16", max_model_len=SPEC.prompt[1] + SPEC.output[1] + 16,
-                 max_num_batched_tokens=8192, max_num_seqs=SPEC.max_num_seqs, tensor_parallel_size=tp)
+                 max_num_batched_tokens=8192, max_num_seqs=SPEC.max_num_seqs, tensor_parallel_size=tp,
+                 custom_all_reduce=custom)
     try:
         construct = time.perf_counter() - start
         run_engine(eng, make_workload(SPEC, LLAMA3_8B_SHAPE["vocab_size"], seed=1).head(FIRST_RUN_REQUESTS))
@@ -216,24 +228,25 @@ def test_engine_throughput(benchmark, ckpt, setup, tp):
     r = dict(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, construct_s=construct,
              pct_roofline=100 * tokens / seconds / (tp * roof["tokens_per_s"]), num_pages=num_pages,
              cuda_graphs=graphs, **comm, **window)
-    if tp > 1 and 1 in RESULTS:
-        one = RESULTS[1]
+    if tp > 1 and "TP=1" in RESULTS:
+        one = RESULTS["TP=1"]
         r["speedup"] = r["tokens_per_s"] / one["tokens_per_s"]
         r["efficiency"] = r["speedup"] / tp
         r["decode_step_speedup"] = one["decode_step_ms"] / r["decode_step_ms"]
-        r["speedup_without_communication"] = speedup_without_communication(r["speedup"], r["run_nccl_share"])
-        if r["nccl_calls_per_step"]:
-            r["nccl_share"] = r["nccl_ms_per_step"] / r["decode_step_ms"]
-    RESULTS[tp] = r
+        r["speedup_without_communication"] = speedup_without_communication(r["speedup"], r["run_comm_share"])
+        if r["comm_calls_per_step"]:
+            r["comm_share"] = r["comm_ms_per_step"] / r["decode_step_ms"]
+    RESULTS[label] = r
     benchmark.extra_info.update(r)
-    print(f"TP={tp}: {tokens} tokens in {seconds:.2f} s = {r['tokens_per_s']:.0f} tok/s "
+    print(f"{label}: {tokens} tokens in {seconds:.2f} s = {r['tokens_per_s']:.0f} tok/s "
           f"({r['pct_roofline']:.1f}% of its roofline), Engine(...) {construct:.1f} s; decode step "
-          f"{r['decode_step_ms']:.2f} ms, NCCL {r['nccl_ms_per_step']:.3f} ms in {r['nccl_calls_per_step']:.0f} "
-          f"kernels per step ({'expected ' + str(NCCL_CALLS_PER_STEP) if tp > 1 else 'none expected'})"
-          + (f"; whole run (profiled, {r['profiled_run_s']:.2f} s): NCCL {r['run_nccl_ms']:.0f} ms = "
-             f"{100 * r['run_nccl_share']:.1f}%" if comm else ""))
-    if tp > 1 and r["nccl_calls_per_step"] == 0:
-        print("  the profiler saw no NCCL kernel: its figure for TP=2 is missing, not zero")
+          f"{r['decode_step_ms']:.2f} ms, communication {r['comm_ms_per_step']:.3f} ms in "
+          f"{r['comm_calls_per_step']:.0f} "
+          f"kernels per step ({'expected ' + str(COMM_CALLS_PER_STEP) if tp > 1 else 'none expected'})"
+          + (f"; whole run (profiled, {r['profiled_run_s']:.2f} s): communication {r['run_comm_ms']:.0f} ms = "
+             f"{100 * r['run_comm_share']:.1f}%" if comm else ""))
+    if tp > 1 and r["comm_calls_per_step"] == 0:
+        print(f"  the profiler saw no communication kernel: its figure for {label} is missing, not zero")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -241,14 +254,14 @@ def report():
     yield
     if not RESULTS:
         return
-    lines = [f"{'engine':7} {'tok/s':>8} {'% roof':>7} {'speed-up':>9} {'effic.':>7} {'no-comm':>8} "
-             f"{'decode ms':>10} {'NCCL ms':>8} {'NCCL %':>7} {'run NCCL %':>11}"]
-    for tp, r in RESULTS.items():
+    lines = [f"{'engine':10} {'tok/s':>8} {'% roof':>7} {'speed-up':>9} {'effic.':>7} {'no-comm':>8} "
+             f"{'decode ms':>10} {'comm ms':>8} {'comm %':>7} {'run comm %':>11}"]
+    for label, r in RESULTS.items():
         extra = (f"{r['speedup']:8.2f}x {100 * r['efficiency']:6.1f}% {r['speedup_without_communication']:7.2f}x"
                  if "speedup" in r else f"{'-':>9} {'-':>7} {'-':>8}")
-        nccl = (f"{r['nccl_ms_per_step']:8.3f} {100 * r['nccl_share']:6.1f}%" if "nccl_share" in r
+        comm = (f"{r['comm_ms_per_step']:8.3f} {100 * r['comm_share']:6.1f}%" if "comm_share" in r
                 else f"{'-':>8} {'-':>7}")
-        lines.append(f"TP={tp:<4} {r['tokens_per_s']:8.0f} {r['pct_roofline']:7.1f} {extra} "
-                     f"{r['decode_step_ms']:10.2f} {nccl} "
-                     + (f"{100 * r['run_nccl_share']:10.1f}%" if "run_nccl_share" in r else f"{'-':>11}"))
+        lines.append(f"{label:10} {r['tokens_per_s']:8.0f} {r['pct_roofline']:7.1f} {extra} "
+                     f"{r['decode_step_ms']:10.2f} {comm} "
+                     + (f"{100 * r['run_comm_share']:10.1f}%" if "run_comm_share" in r else f"{'-':>11}"))
     print("\nLlama-3-8B shape, random bf16, " + f"{SPEC.requests} requests:\n" + "\n".join(lines))

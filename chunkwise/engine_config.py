@@ -24,7 +24,7 @@ DEVICE_TYPES = ("cpu", "cuda")
 # Fields that only the optimized engine's paging, batching and kernels use.
 REFERENCE_IGNORED = ("page_size", "num_pages", "gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs",
                      "enable_prefix_caching", "enforce_eager", "split_kv_threshold", "split_size", "cascade_attention",
-                     "deterministic", "tensor_parallel_size", "async_scheduling")
+                     "deterministic", "tensor_parallel_size", "custom_all_reduce", "async_scheduling")
 
 
 def _positive_int(name: str, value, low: int = 1) -> None:
@@ -53,6 +53,8 @@ class EngineConfig:
     deterministic: bool = False              # batch-invariant: a token's bits independent of batch, chunks, pages
                                              # (no split-KV then, so split_kv_threshold/split_size/cascade do not apply)
     tensor_parallel_size: int = 1            # ranks (one process and device each) sharding the model, Megatron-style
+    custom_all_reduce: bool = False          # tensor parallel on GPUs: small all-reduces through peer memory, not
+                                             # NCCL (opt-in: README, Tensor parallelism)
     async_scheduling: bool | None = None     # overlap: prepare step k+1 while the device runs step k; None: on
                                              # with CUDA (on CPU the host is the device: nothing to overlap)
     path: Path = field(init=False, repr=False)                 # the checkpoint directory
@@ -64,7 +66,7 @@ class EngineConfig:
         set_("device", _resolve_device(self.device))
         _positive_int("page_size", self.page_size)
         for name in ("enable_prefix_caching", "enforce_eager", "cascade_attention", "deterministic",
-                     "async_scheduling"):
+                     "custom_all_reduce", "async_scheduling"):
             if not isinstance(getattr(self, name), bool) and (name != "async_scheduling" or self.async_scheduling
                                                               is not None):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

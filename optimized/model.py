@@ -62,6 +62,10 @@ class Model:
         self.deterministic = deterministic
         self.split_size = split_size   # split-KV split length in tokens
         self.tp = tp                   # None: the whole model on one device
+        # With the custom all-reduce, a sublayer's output leaves as this rank's partial sum and is reduced in the
+        # next norm's kernel (not for Gemma's sandwich norms or an o_proj bias, which come between the two).
+        self.reduce_in_norm = (tp is not None and tp.custom is not None and not cfg.sandwich_norms
+                               and not cfg.o_proj_bias)
         self.embed = weights["model.embed_tokens.weight"]
         # Deterministic decodes take paged_attention, whose one-token queries would leave 256-row tiles mostly
         # padding; its prefill takes the same 128-row tiles, so a token's bits do not depend on which computed it.
@@ -110,10 +114,15 @@ class Model:
     def _add_norm(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                   pre_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(s), s) for the residual stream s = residual + h, or residual + norm_pre(h) when pre_weight is
-        given; before the first layer there is no residual yet and s = h."""
+        given; before the first layer there is no residual yet and s = h (the embedding, already reduced).
+        With `reduce_in_norm`, h is summed over the ranks here first."""
         eps, plus_one = self.cfg.rms_norm_eps, self.cfg.norm_plus_one
         if residual is None:
             return rms_norm(h, weight, eps, plus_one), h
+        if self.reduce_in_norm:   # h is a sublayer's partial sum
+            if self.tp.custom.fits(h):
+                return self.tp.custom.add_rms_norm(h, residual, weight, eps, plus_one)
+            self.tp.all_reduce(h)
         return add_rms_norm(h, residual, weight, eps, plus_one, pre_weight=pre_weight)
 
     def forward(self, inp: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -174,7 +183,7 @@ class Model:
 
     def _mlp(self, lw: dict, x: torch.Tensor) -> torch.Tensor:
         out = self._linear(act_and_mul(self._linear(x, lw["gate_up"]), self.cfg.hidden_act), lw["down"])
-        return out if self.tp is None else self.tp.all_reduce(out)
+        return out if self.tp is None or self.reduce_in_norm else self.tp.all_reduce(out)
 
     def _decode_attention(self, q: torch.Tensor, out: torch.Tensor, inp: StepInputs, kv, window: int | None,
                           decode_qsl: torch.Tensor | None, workspace: SplitWorkspace | None) -> None:
@@ -215,6 +224,6 @@ class Model:
         if side is not None:
             torch.cuda.current_stream(q.device).wait_stream(side)
         out = self._linear(out.reshape(t, -1), lw["o"])
-        if self.tp is not None:
+        if self.tp is not None and not self.reduce_in_norm:
             self.tp.all_reduce(out)
         return out + lw["o_bias"] if "o_bias" in lw else out

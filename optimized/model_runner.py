@@ -39,6 +39,7 @@ from kernels.split_kv import DEFAULT_SPLIT_SIZE, split_tile_config
 from optimized.block_tables import BlockTables
 from optimized.model import Model, StepInputs
 from optimized.tensor_parallel import TensorParallel
+from optimized.workers import COLLECTIVE_TIMEOUT
 
 if TYPE_CHECKING:
     from optimized.workers import Workers
@@ -112,6 +113,10 @@ class ModelRunner:
                  workers: Workers | None = None):
         cfg = config.model_config
         self.config, self.cfg = config, cfg
+        if tp is not None and config.custom_all_reduce:   # before the KV cache takes the free memory
+            tp = tp.with_custom_all_reduce(config.dtype, COLLECTIVE_TIMEOUT)
+            if workers is not None and tp.custom is not None:
+                workers.custom_all_reduce = tp.custom
         self.tp, self.workers = tp, workers
         self.num_heads = len(tp.q_heads) if tp else cfg.num_heads          # this rank's
         self.num_kv_heads = len(tp.kv_heads) if tp else cfg.num_kv_heads
@@ -456,12 +461,26 @@ class ModelRunner:
         store nothing (slot -1) and read row 0 of the tables.
         """
         prefills = [[], [1], [16], [17], [1] * 16, [1] * 15 + [2], [1] * 16 + [16], [1] * 17]
+        if self.model.reduce_in_norm:
+            prefills += self._above_custom_all_reduce()
         with torch.inference_mode():
             for chunks in prefills:
                 for d in (0, 1, 16, 17):
                     if chunks or d:
                         self.model.forward(self._upload(_synthetic_step(chunks, d)), self.kv_caches)
         torch.cuda.synchronize(self.device)
+
+    def _above_custom_all_reduce(self) -> list[list[int]]:
+        """Prefills of more rows than the custom all-reduce holds, one per token class (a multiple of 16 or not)
+        that the step budget allows: their sublayer sums go through NCCL and the unfused norm, which the warm-up's
+        small steps never reach."""
+        above = self.model.tp.custom.max_rows + 1
+        piece = self.config.max_model_len   # no synthetic sequence is longer than a real one
+        out = []
+        for t in (-(-above // 16) * 16, above if above % 16 else above + 1):
+            if t <= self.config.max_num_batched_tokens:
+                out.append([piece] * (t // piece) + ([t % piece] if t % piece else []))
+        return out
 
     # ---- sampling ----------------------------------------------------------------------------------
     def sample(self, step: Launched) -> tuple[dict[int, int], dict[int, dict[int, float]]]:

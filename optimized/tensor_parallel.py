@@ -19,12 +19,15 @@ only its KV heads, with the same pages and block tables on every rank.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from chunkwise.config import ModelConfig
+from optimized.custom_all_reduce import CustomAllReduce, unusable
 
 # torch >= 2.12 names all_gather_into_tensor all_gather_single (the old name warns there); same arguments.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -32,11 +35,13 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """Rank `rank` of `size` on `device`, over torch.distributed's default process group."""
+    """Rank `rank` of `size` on `device`, over torch.distributed's default process group; `custom` serves the
+    all-reduces that fit it (see `with_custom_all_reduce`), NCCL or gloo the others."""
     rank: int
     size: int
     cfg: ModelConfig
     device: torch.device
+    custom: CustomAllReduce | None = field(default=None, compare=False)
 
     # ---- what this rank holds ----------------------------------------------------------------------
     @property
@@ -82,9 +87,22 @@ class TensorParallel:
             w = w[:, self.rank * inter:(self.rank + 1) * inter]
         return w.clone(memory_format=torch.contiguous_format)
 
+    def with_custom_all_reduce(self, dtype: torch.dtype, timeout: timedelta) -> TensorParallel:
+        """This rank with the custom all-reduce for `dtype` activations built (collective: every rank calls it),
+        or as it is where the machine cannot run it (a warning says why)."""
+        reason = unusable(self.rank, self.size, self.device)
+        if reason is not None:   # asked for (it is opt-in): say why it is not used
+            warnings.warn(f"custom all-reduce off, NCCL serves every all-reduce: {reason}", stacklevel=2)
+            return self
+        programs = self.min(torch.cuda.get_device_properties(self.device).multi_processor_count)
+        return replace(self, custom=CustomAllReduce(self.rank, self.size, self.cfg.hidden_size, dtype, self.device,
+                                                    timeout, programs, self.all_gather, lambda: self.min(0)))
+
     # ---- collectives (every rank calls them in the same order) ---------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks, in place (every rank gets the same bits)."""
+        if self.custom is not None and self.custom.fits(x):
+            return self.custom.all_reduce(x)
         dist.all_reduce(x)
         return x
 

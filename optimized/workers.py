@@ -10,13 +10,16 @@ then runs its own forward; the collectives inside the forward keep the ranks in 
 Failures (the engine cannot contain a failure once a step is in the ranks' hands: their caches may disagree
 from there, so the engine closes and raises `TensorParallelError` rather than run on):
 - a worker that raises reports the error over its pipe and exits; rank 0 watches the workers' processes. Its
-  collective then fails (gloo: the dead peer's socket closes; NCCL: the watcher aborts the process group), or the
-  next step's liveness check does; the error names the rank, its exit code and its exception.
+  collective then fails (gloo: the dead peer's socket closes; NCCL: the watcher aborts the process group and the
+  custom all-reduce, whose kernels then stop waiting), or the next step's liveness check does; the error names
+  the rank, its exit code and its exception. A custom all-reduce call that gave up (aborted or timed out) fails
+  the step on every rank: rank 0 checks it after each step, a worker before each command.
 - an exception or KeyboardInterrupt on rank 0 between sending a step and the end of its forward: the workers may
   wait in a collective rank 0 will not join; they are terminated and the exception goes on (an Exception as
   TensorParallelError). Before the send (preparing the step) and after the forward (sampling) the ranks are in
   step, and the engine contains a failure as on one device.
-- a collective waits at most COLLECTIVE_TIMEOUT; a worker waiting for its next step waits on its pipe, untimed.
+- a collective (NCCL or custom) waits at most COLLECTIVE_TIMEOUT; a worker waiting for its next step waits on
+  its pipe, untimed.
 - workers ignore SIGINT (Ctrl-C reaches the whole process group; rank 0 decides) and exit when rank 0's process
   does. `close()` (the engine's close, its garbage collection, or interpreter exit: weakref.finalize) sends them
   "close" and terminates any that have not exited after CLOSE_GRACE_S.
@@ -73,6 +76,7 @@ class Workers:
         self.error: str | None = None      # why the workers were torn down, once a rank failed
         self._joined = self._closed = False
         self.release = None   # frees rank 0's runner (its CUDA graphs hold NCCL resources) before the group is left
+        self.custom_all_reduce = None   # rank 0's, once its runner built one: aborted with NCCL, checked each step
         self.procs, self.conns = [], []
         self.store = dist.TCPStore(HOST, 0, self.size, is_master=True, wait_for_workers=False,
                                    timeout=COLLECTIVE_TIMEOUT)
@@ -148,6 +152,10 @@ class Workers:
         if self._closed:
             raise TensorParallelError("the tensor-parallel workers are closed")
         reason = self._failure()
+        why = None if reason is not None or self.custom_all_reduce is None else self.custom_all_reduce.gave_up()
+        if why is not None:
+            reason = (f"rank 0's custom all-reduce gave up waiting for a peer (aborted, or no peer reached it "
+                      f"within {COLLECTIVE_TIMEOUT}): {why}")
         if reason is not None:
             self._break(reason)
             raise TensorParallelError(reason)
@@ -193,6 +201,8 @@ class Workers:
         ready = wait([p.sentinel for p in self.procs] + [self._wake_r])
         if self._closed or self._wake_r in ready or not (self._joined and self.backend == "nccl"):
             return   # gloo notices a dead peer by itself (its socket closes)
+        if self.custom_all_reduce is not None:   # its kernels stop waiting; the step is then reported failed
+            self.custom_all_reduce.abort()
         try:   # torch's own helper where it has one, else the group's abort
             abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
             if abort is None:
@@ -208,6 +218,8 @@ class Workers:
         self._closed = True
         self._wake_w.send(None)
         graceful = self.error is None and self._joined   # else a worker may be inside a collective, or loading
+        if not graceful and self.custom_all_reduce is not None:   # rank 0's calls waiting for a worker end now
+            self.custom_all_reduce.abort()
         if graceful:
             for conn in self.conns:
                 try:
@@ -228,6 +240,8 @@ class Workers:
                 proc.join()
         for conn in self.conns:
             conn.close()
+        if self.custom_all_reduce is not None:   # no worker maps rank 0's buffer any more
+            self.custom_all_reduce.close()
         self.store = None
 
 
@@ -286,6 +300,10 @@ def _worker_main(rank: int, config: EngineConfig, port: int, numerics: dict, con
         del weights
         while True:
             command, arg = pickle.loads(conn.recv_bytes())
+            why = runner.tp.custom.gave_up() if runner.tp.custom is not None else None
+            if why is not None:
+                raise TensorParallelError(f"rank {rank}'s custom all-reduce gave up waiting for a peer (no peer "
+                                          f"reached it within {COLLECTIVE_TIMEOUT}): {why}")
             if command == "step":
                 runner.run_host(arg)
             elif command == "kv":

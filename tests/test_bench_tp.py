@@ -1,11 +1,11 @@
 """benchmarks/bench_tp.py's CPU-side parts: its random checkpoint (sharded safetensors with an index) loads in the
-engine and has the shape asked for; its communication-free bound; without two GPUs its benchmarks are collected
-and skipped, not errors."""
+engine and has the shape asked for; its communication-free bound and which kernels it counts as communication;
+without two GPUs its benchmarks are collected and skipped, not errors."""
 import pytest
 import torch
 from child_pytest import run_pytest
 
-from benchmarks.bench_tp import random_checkpoint, speedup_without_communication
+from benchmarks.bench_tp import is_communication, random_checkpoint, speedup_without_communication
 from benchmarks.roofline import ModelCost
 from chunkwise.config import ModelConfig
 from chunkwise.weights import INDEX_FILE, load_weights
@@ -35,10 +35,16 @@ def test_without_two_gpus_the_benchmarks_are_collected_and_skipped():
         pytest.skip("two GPUs here: the benchmarks run")
     proc = run_pytest("--benchmark-only", "benchmarks/bench_tp.py", "-q", "-rs")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "2 skipped" in proc.stdout, proc.stdout
+    assert "3 skipped" in proc.stdout, proc.stdout
 
 
-def test_the_communication_free_bound_removes_the_nccl_share_of_the_run():
-    # 1.47x with NCCL taking 15.3% of the run: the same tokens in 84.7% of the time.
+def test_the_communication_free_bound_removes_the_communication_share_of_the_run():
+    # 1.47x with communication taking 15.3% of the run: the same tokens in 84.7% of the time.
     assert speedup_without_communication(1.47, 0.153) == pytest.approx(1.47 / 0.847)
     assert speedup_without_communication(1.47, 0.0) == 1.47
+
+
+def test_communication_kernels_are_nccls_and_the_custom_all_reduces():
+    assert is_communication("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)")
+    assert is_communication("_all_reduce_kernel")
+    assert not any(map(is_communication, ["_rms_norm_kernel", "_split_kernel", "nvjet_tst_128x64_64x8_2x1_v_bz"]))

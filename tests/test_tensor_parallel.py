@@ -95,6 +95,17 @@ def test_each_ranks_query_heads_read_its_kv_heads_as_on_one_device(heads, kv_hea
     assert all(len(tp.vocab) <= tp.vocab_rows for tp in ranks)
 
 
+def test_the_custom_all_reduce_asked_for_on_cpu_is_refused_with_a_warning():
+    """It is opt-in: asked for where it cannot run (here: not a CUDA device), a warning says why, and every
+    all-reduce stays with the process group."""
+    from datetime import timedelta
+    cfg = ModelConfig.from_dict(dict(model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=32,
+                                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=8))
+    tp = TensorParallel(0, 2, cfg, torch.device("cpu"))
+    with pytest.warns(UserWarning, match="custom all-reduce off, NCCL serves every all-reduce: device cpu is not"):
+        assert tp.with_custom_all_reduce(torch.float32, timedelta(seconds=1)).custom is None
+
+
 def test_each_rank_caches_only_its_kv_heads(case):
     name, _, tp, one, _ = case
     cfg = tp.config

@@ -1,6 +1,7 @@
 """Tensor parallelism on two GPUs (NCCL, CUDA graphs on): the strict float32 tier against one GPU and the reference,
 the real checkpoints against one GPU, the bf16 tier against the reference, deterministic mode bitwise on two ranks,
-and a worker killed inside a graph-replayed decode step, which must fail the step instead of hanging NCCL.
+the custom all-reduce bitwise against NCCL, and a worker killed inside a graph-replayed decode step, which must
+fail the step instead of hanging NCCL or the custom all-reduce.
 Skipped without two CUDA devices.
 
     PYTHONPATH=$PWD python -m pytest tests/test_tensor_parallel_gpu.py -v -s
@@ -123,10 +124,31 @@ def test_deterministic_bf16_holds_on_two_gpus():
     assert_bitwise(run_case(path, prompts, det.TINY_TIGHT, det.TINY_TOKENS, **kw), det.TINY_TIGHT, tokens, kv)
 
 
-def test_a_worker_killed_inside_a_graph_replayed_decode_fails_the_step_without_a_hang():
-    """Rank 0 replays a decode graph whose NCCL kernels wait for the dead peer; the watcher aborts the
-    communicator, and the step is voided with TensorParallelError, not sampled from what the abort left."""
-    eng = Engine(tiny_checkpoint("qwen3"), dtype="float32", tensor_parallel_size=2, **KW)
+def test_the_custom_all_reduce_gives_nccls_bits_on_two_ranks(tmp_path_factory):
+    """Two ranks: the custom all-reduce and NCCL both give round(a + b) for every element, and its fused norm
+    keeps add_rms_norm's rounding points, so bf16 tokens and K/V are bitwise those of the NCCL-only path
+    (prefill chunks and graph-replayed decodes both fit its buffers here)."""
+    ckpt = checkpoint("qwen3-0.6b-shape", tmp_path_factory)
+    prompts, chunks = workload("qwen3-0.6b-shape")
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    runs = {}
+    for custom in (True, False):
+        with Engine(ckpt, dtype="bfloat16", tensor_parallel_size=2, custom_all_reduce=custom, **KW) as eng:
+            assert (eng.runner.tp.custom is not None) == custom
+            assert eng.runner.model.reduce_in_norm == custom
+            tokens = [o.token_ids for o in eng.generate(prompts, params, chunk_sizes=chunks)]
+            runs[custom] = tokens, eng.prefill_kv(prompts[3], chunk_sizes=chunks[3])
+    assert runs[True][0] == runs[False][0], "tokens differ between the custom all-reduce and NCCL"
+    for kv_name, a, b in zip("KV", runs[True][1], runs[False][1]):
+        assert torch.equal(a, b), f"{kv_name} differs between the custom all-reduce and NCCL"
+
+
+@pytest.mark.parametrize("custom", [False, True], ids=["nccl", "custom"])
+def test_a_worker_killed_inside_a_graph_replayed_decode_fails_the_step_without_a_hang(custom):
+    """Rank 0 replays a decode graph whose all-reduce kernels wait for the dead peer; the watcher aborts them
+    (NCCL's, and the custom all-reduce's when on), and the step is voided with TensorParallelError, not sampled
+    from what the abort left."""
+    eng = Engine(tiny_checkpoint("qwen3"), dtype="float32", tensor_parallel_size=2, custom_all_reduce=custom, **KW)
     pid = eng._workers.procs[0].pid
     replay, calls = eng.runner._replay, []
 
