@@ -54,7 +54,7 @@ class EngineConfig:
                                              # (no split-KV then, so split_kv_threshold/split_size/cascade do not apply)
     tensor_parallel_size: int = 1            # ranks (one process and device each) sharding the model, Megatron-style
     custom_all_reduce: bool = False          # tensor parallel on GPUs: small all-reduces through peer memory, not
-                                             # NCCL (opt-in: README, Tensor parallelism)
+                                             # NCCL (opt-in: README, Several GPUs)
     async_scheduling: bool | None = None     # overlap: prepare step k+1 while the device runs step k; None: on
                                              # with CUDA (on CPU the host is the device: nothing to overlap)
     path: Path = field(init=False, repr=False)                 # the checkpoint directory

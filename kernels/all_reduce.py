@@ -13,9 +13,9 @@ Layouts (N = world size, P = programs, fixed per set of buffers; cap = elements 
     flags (each rank's, mapped likewise): int64 [N * P + N]: flags[r * P + s] = the last call whose share s rank r
                                      delivered; flags[N * P + r] = 1 once rank r gave up a call (sticky)
     tickets (this rank's device):    int64 [1]: programs started over all calls
-    control (this rank's pinned host memory): int64 [5]: [abort asked, a call gave up, and of the first program
-                                     that gave up while waiting: its call, the peer it waited for, the last call
-                                     that peer had delivered to it]
+    control (this rank's pinned host memory): int64 [5]: [abort asked, a call gave up, and of a program that gave
+                                     up while waiting (each that does writes them): its call, the peer it waited
+                                     for, the last call that peer had delivered to its share]
 
 A program starts by drawing a ticket t: it serves call e = t // P + 1 and owns share s = t % P, row blocks s, s + P,
 ... (every call starts P programs, after the last call's ended). It
@@ -111,7 +111,7 @@ def _all_reduce_kernel(
                     aborted = tl.load(control_ptr, volatile=True) != 0
                     late = _clock_ns() - start > timeout_ns
                     stop = (aborted | late).to(tl.int32)
-                    if stop != 0:   # first to give up: every rank learns it, the host where it stood
+                    if stop != 0:   # giving up: every rank learns it, the host where it stood
                         for q in tl.static_range(WORLD):
                             peer_flags = tl.load(peer_flags_ptr + q).to(tl.pointer_type(tl.int64))
                             tl.atomic_xchg(peer_flags + WORLD * PROGRAMS + rank, 1, sem="release", scope="sys")
@@ -151,9 +151,10 @@ def _all_reduce_kernel(
 
 class PeerBuffers:
     """One rank's view of the buffers of one all-reduce group (see the module docstring for each): every rank's
-    receive buffer and flags as addresses in this process (peers' mapped in: CUDA IPC, or plain tensors of one
-    device when every rank is simulated on it), `cap` elements per rank region, and this rank's epochs and
-    control words (`abort()`, `gave_up()`). Every rank's flags must be zero before any rank's first call."""
+    receive buffer and flags as addresses in this process (peers' mapped in by optimized/peer_memory.py, or plain
+    tensors of one device when every rank is simulated on it), `cap` elements per rank region, and this rank's
+    ticket counter and control words (`abort()`, `gave_up()`). Every rank's flags must be zero before any rank's
+    first call."""
 
     def __init__(self, rank: int, world: int, hidden: int, dtype: torch.dtype, device: torch.device,
                  recv_ptrs: list[int], flag_ptrs: list[int], cap: int, programs: int, timeout_s: float):
@@ -180,7 +181,7 @@ class PeerBuffers:
             return None
         call, peer, seen = self.control[2:].tolist()
         if not call:
-            return "a call stopped without waiting: another rank had given up (or this one was aborted) first"
+            return "a call stopped without waiting: another rank had given up first"
         return f"call {call} gave up waiting for rank {peer}, which had delivered its call {seen}"
 
     def fits(self, x: torch.Tensor) -> bool:

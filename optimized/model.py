@@ -13,8 +13,9 @@ single-pass `paged_attention` that prefill rows take, not split-KV. Norms, RoPE+
 keep a row's bits (their rows per program depend on the width only), and RoPE's cos/sin are elementwise.
 
 Tensor parallelism (`tp`, see optimized/tensor_parallel.py): the weights are one rank's shard; the embedding,
-o_proj and down_proj outputs are summed over the ranks (one all_reduce each) and the logits gathered, so every rank
-carries the same residual stream and ends with the whole logits. Without `tp` the forward calls no collective.
+o_proj and down_proj outputs are summed over the ranks (one all_reduce each; with the custom all-reduce, inside the
+next norm's kernel) and the logits gathered, so every rank carries the same residual stream and ends with the whole
+logits. Without `tp` the forward calls no collective.
 
 Flat-batch layout (built by `ModelRunner`): tokens of the sequences that bring prompt chunks come first
 (sequence s owns rows query_start_loc[s]:query_start_loc[s+1]), then one token per decoding sequence.
@@ -63,7 +64,8 @@ class Model:
         self.split_size = split_size   # split-KV split length in tokens
         self.tp = tp                   # None: the whole model on one device
         # With the custom all-reduce, a sublayer's output leaves as this rank's partial sum and is reduced in the
-        # next norm's kernel (not for Gemma's sandwich norms or an o_proj bias, which come between the two).
+        # next norm's kernel: for every sublayer or none, so not with Gemma's sandwich norms or an o_proj bias, which
+        # come between an attention's sum and its norm.
         self.reduce_in_norm = (tp is not None and tp.custom is not None and not cfg.sandwich_norms
                                and not cfg.o_proj_bias)
         self.embed = weights["model.embed_tokens.weight"]

@@ -154,8 +154,8 @@ class Workers:
         reason = self._failure()
         why = None if reason is not None or self.custom_all_reduce is None else self.custom_all_reduce.gave_up()
         if why is not None:
-            reason = (f"rank 0's custom all-reduce gave up waiting for a peer (aborted, or no peer reached it "
-                      f"within {COLLECTIVE_TIMEOUT}): {why}")
+            reason = (f"rank 0's custom all-reduce stopped (aborted, a peer missing for {COLLECTIVE_TIMEOUT}, or "
+                      f"another rank had stopped): {why}")
         if reason is not None:
             self._break(reason)
             raise TensorParallelError(reason)
@@ -302,8 +302,8 @@ def _worker_main(rank: int, config: EngineConfig, port: int, numerics: dict, con
             command, arg = pickle.loads(conn.recv_bytes())
             why = runner.tp.custom.gave_up() if runner.tp.custom is not None else None
             if why is not None:
-                raise TensorParallelError(f"rank {rank}'s custom all-reduce gave up waiting for a peer (no peer "
-                                          f"reached it within {COLLECTIVE_TIMEOUT}): {why}")
+                raise TensorParallelError(f"rank {rank}'s custom all-reduce stopped (a peer missing for "
+                                          f"{COLLECTIVE_TIMEOUT}, or another rank had stopped): {why}")
             if command == "step":
                 runner.run_host(arg)
             elif command == "kv":

@@ -3,8 +3,8 @@ each rank's call runs on its own stream, concurrently, as on separate GPUs (kern
 
 Properties: every rank gets its twin's bits (a rank-order float32 sum; with the norm, `add_rms_norm` of that sum)
 over many calls with changing inputs and row counts, also queued back to back with no host wait (the alternating
-receive slots keep consecutive calls apart); a call whose
-peer never comes ends when aborted or timed out, marks it, and from then on no call of any rank waits.
+receive slots keep consecutive calls apart); a call whose peer never comes ends when aborted or timed out, marks
+it, and from then on no call of any rank waits.
 """
 import time
 

@@ -149,6 +149,7 @@ def test_a_worker_killed_inside_a_graph_replayed_decode_fails_the_step_without_a
     (NCCL's, and the custom all-reduce's when on), and the step is voided with TensorParallelError, not sampled
     from what the abort left."""
     eng = Engine(tiny_checkpoint("qwen3"), dtype="float32", tensor_parallel_size=2, custom_all_reduce=custom, **KW)
+    assert (eng.runner.tp.custom is not None) == custom, "the custom all-reduce was asked for and not built"
     pid = eng._workers.procs[0].pid
     replay, calls = eng.runner._replay, []
 
