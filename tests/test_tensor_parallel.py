@@ -23,6 +23,7 @@ import reference
 from chunkwise.checkpoints import tiny_checkpoint
 from chunkwise.config import ModelConfig
 from optimized import Engine, SamplingParams
+from optimized.model_runner import ModelRunner
 from optimized.tensor_parallel import TensorParallel
 
 pytestmark = pytest.mark.correctness
@@ -104,6 +105,25 @@ def test_the_custom_all_reduce_asked_for_on_cpu_is_refused_with_a_warning():
     tp = TensorParallel(0, 2, cfg, torch.device("cpu"))
     with pytest.warns(UserWarning, match="custom all-reduce off, NCCL serves every all-reduce: device cpu is not"):
         assert tp.with_custom_all_reduce(torch.float32, timedelta(seconds=1)).custom is None
+
+
+@pytest.mark.parametrize("max_rows, budget, max_model_len", [
+    (1024, 8192, 4096), (1000, 8192, 512), (1024, 1040, 4096), (1024, 1024, 4096), (1007, 1008, 64),
+    (1008, 1010, 2048)])
+def test_the_warm_up_reaches_every_token_class_above_the_custom_all_reduce(max_rows, budget, max_model_len):
+    """Steps of more rows than the custom all-reduce holds take NCCL and the unfused norm, which the small warm-up
+    steps never reach: the warm-up adds one step of each token class Triton specialises on (a multiple of 16 or
+    not) that a real step above that bound can fall in, within the step budget, no sequence longer than a real
+    one."""
+    from types import SimpleNamespace as NS
+    runner = NS(model=NS(tp=NS(custom=NS(max_rows=max_rows))),
+                config=NS(max_model_len=max_model_len, max_num_batched_tokens=budget))
+    prefills = ModelRunner._above_custom_all_reduce(runner)
+    totals = [sum(chunks) for chunks in prefills]
+    assert all(max_rows < t <= budget for t in totals), totals
+    assert all(0 < n <= max_model_len for chunks in prefills for n in chunks), prefills
+    reachable = {t % 16 == 0 for t in range(max_rows + 1, budget + 1)}
+    assert sorted(t % 16 == 0 for t in totals) == sorted(reachable), (totals, reachable)
 
 
 def test_each_rank_caches_only_its_kv_heads(case):
