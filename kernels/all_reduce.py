@@ -169,6 +169,7 @@ class PeerBuffers:
         self.timeout_ns = int(timeout_s * 1e9)
         self.block_n = triton.next_power_of_2(hidden)
         self.block_r = 1   # rows per tile, fixed (the slot argument): fused_norm's on the GPU, so the same bits
+        self.num_warps = num_warps_for(self.block_r * self.block_n)
         self.read_delay_ns = 0   # tests only: this rank waits so long between its flags and its reads
 
     def abort(self) -> None:
@@ -207,7 +208,7 @@ def push_all_reduce(x: torch.Tensor, buffers: PeerBuffers, out: torch.Tensor | N
         b.recv_ptrs, b.flag_ptrs, b.tickets, b.control,
         x.shape[0], x.shape[1], b.cap, b.rank, eps, b.timeout_ns, b.read_delay_ns,
         WORLD=b.world, PROGRAMS=b.programs, NORM=norm, PLUS_ONE=plus_one, BLOCK_R=b.block_r, BLOCK_N=b.block_n,
-        num_warps=num_warps_for(b.block_r * b.block_n), enable_fp_fusion=False,
+        num_warps=b.num_warps, enable_fp_fusion=False,
     )
     return (out, residual_out) if norm else out
 

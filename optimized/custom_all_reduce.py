@@ -42,12 +42,13 @@ def unusable(rank: int, size: int, device: torch.device) -> str | None:
 
 class CustomAllReduce:
     """This rank's handle: `all_reduce(x)` and `add_rms_norm(...)` for tensors that `fits`; `abort()` (any
-    thread) ends every call waiting for a peer; `gave_up()` says whether (and where) a call gave up since it was built;
-    `close()` unmaps every rank's buffer here (each lives until no process maps it)."""
+    thread) ends every call waiting for a peer; `stopped()` is the error to raise once a call gave up (and where it
+    stood); `close()` unmaps every rank's buffer here (each lives until no process maps it)."""
 
     def __init__(self, rank: int, size: int, hidden: int, dtype: torch.dtype, device: torch.device,
                  timeout: timedelta, programs: int, all_gather: Callable[[torch.Tensor], torch.Tensor],
                  barrier: Callable[[], None]):
+        self.timeout = timeout
         cap = MAX_BYTES // dtype.itemsize // hidden * hidden
         recv_bytes = -(-2 * size * cap * dtype.itemsize // 256) * 256
         flag_bytes = size * (programs + 1) * 8
@@ -77,8 +78,14 @@ class CustomAllReduce:
     def abort(self) -> None:
         self.buffers.abort()
 
-    def gave_up(self) -> str | None:
-        return self.buffers.gave_up()
+    def stopped(self) -> str | None:
+        """None while no call of this rank gave up; else why this rank's sums cannot be used (read without touching
+        the GPU, which may be stuck)."""
+        why = self.buffers.gave_up()
+        if why is None:
+            return None
+        return (f"rank {self.buffers.rank}'s custom all-reduce stopped (a call waits at most {self.timeout} for its "
+                f"peers, unless aborted): {why}")
 
     def close(self) -> None:
         self.memory.close()

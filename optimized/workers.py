@@ -152,10 +152,8 @@ class Workers:
         if self._closed:
             raise TensorParallelError("the tensor-parallel workers are closed")
         reason = self._failure()
-        why = None if reason is not None or self.custom_all_reduce is None else self.custom_all_reduce.gave_up()
-        if why is not None:
-            reason = (f"rank 0's custom all-reduce stopped (aborted, a peer missing for {COLLECTIVE_TIMEOUT}, or "
-                      f"another rank had stopped): {why}")
+        if reason is None and self.custom_all_reduce is not None:
+            reason = self.custom_all_reduce.stopped()
         if reason is not None:
             self._break(reason)
             raise TensorParallelError(reason)
@@ -300,10 +298,9 @@ def _worker_main(rank: int, config: EngineConfig, port: int, numerics: dict, con
         del weights
         while True:
             command, arg = pickle.loads(conn.recv_bytes())
-            why = runner.tp.custom.gave_up() if runner.tp.custom is not None else None
-            if why is not None:
-                raise TensorParallelError(f"rank {rank}'s custom all-reduce stopped (a peer missing for "
-                                          f"{COLLECTIVE_TIMEOUT}, or another rank had stopped): {why}")
+            stopped = runner.tp.custom.stopped() if runner.tp.custom is not None else None
+            if stopped is not None:
+                raise TensorParallelError(stopped)
             if command == "step":
                 runner.run_host(arg)
             elif command == "kv":
