@@ -147,19 +147,34 @@ def test_the_custom_all_reduce_gives_nccls_bits_on_two_ranks(tmp_path_factory):
 def test_a_worker_killed_inside_a_graph_replayed_decode_fails_the_step_without_a_hang(custom):
     """Rank 0 replays a decode graph whose all-reduce kernels wait for the dead peer; the watcher aborts them
     (NCCL's, and the custom all-reduce's when on), and the step is voided with TensorParallelError, not sampled
-    from what the abort left."""
+    from what the abort left.
+
+    The worker is stopped (SIGSTOP) before rank 0 sends it the step and killed once rank 0 has launched its
+    replay, so it never runs that step and is dead before the next: killed after the send instead, it could
+    finish its part first (a tiny model's step takes well under a millisecond), and the custom all-reduce, which
+    stops only calls still waiting, then completes that step correctly and fails the next (seen on two H200s)."""
     eng = Engine(tiny_checkpoint("qwen3"), dtype="float32", tensor_parallel_size=2, custom_all_reduce=custom, **KW)
     assert (eng.runner.tp.custom is not None) == custom, "the custom all-reduce was asked for and not built"
-    pid = eng._workers.procs[0].pid
-    replay, calls = eng.runner._replay, []
+    worker = eng._workers.procs[0]
+    pid = worker.pid
+    together, replay, sent, replayed = eng._workers.together, eng.runner._replay, [], []
 
-    def replay_after_the_kill(host, d):
-        calls.append(d)
-        if len(calls) == 3:
+    def together_stopping_the_worker(command, fn, wrap=True):
+        if command is not None and command[0] == "step":
+            sent.append(command)
+            if len(sent) == 3:   # a decode step (the first is the prefill)
+                os.kill(pid, signal.SIGSTOP)
+        return together(command, fn, wrap)
+
+    def replay_then_kill(host, d):
+        replayed.append(len(sent))
+        logits = replay(host, d)
+        if len(sent) == 3:   # rank 0's replay is launched, its all-reduces waiting for the stopped worker
             os.kill(pid, signal.SIGKILL)
-        return replay(host, d)
-    eng.runner._replay = replay_after_the_kill
+            worker.join(30)
+        return logits
+    eng._workers.together, eng.runner._replay = together_stopping_the_worker, replay_then_kill
     with pytest.raises(TensorParallelError, match=rf"rank 1 \(pid {pid}\) died with exit code -9"):
         within(120, lambda: eng.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=8, ignore_eos=True)))
-    assert len(calls) == 3
+    assert len(sent) == 3 and replayed[-1] == 3, f"steps sent: {len(sent)}; replays in steps {replayed}"
     assert_gone([pid])
