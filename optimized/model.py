@@ -127,9 +127,11 @@ class Model:
             self.tp.all_reduce(h)
         return add_rms_norm(h, residual, weight, eps, plus_one, pre_weight=pre_weight)
 
-    def forward(self, inp: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(self, inp: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                gather_logits: bool = True) -> torch.Tensor:
         """Logits [N, vocab] for the rows `inp.logits_indices` (the model's dtype; float32 when soft-capped), after
-        writing every layer's K/V."""
+        writing every layer's K/V. Under tensor parallelism with gather_logits=False, this rank's [N, P] slice of
+        them instead (soft-capped alike; see TensorParallel.gather_logits and argmax_logits)."""
         h = self._embed(inp.input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
@@ -153,7 +155,7 @@ class Model:
             h = self._mlp(lw, x)
         x, _ = self._add_norm(h, residual, self.final_norm, pending)  # row-wise: norm all rows, then pick
         logits = self._linear(x[inp.logits_indices], self.lm_head)
-        if self.tp is not None:
+        if self.tp is not None and gather_logits:
             logits = self.tp.gather_logits(logits)
         cap = self.cfg.final_logit_softcapping
         if cap:

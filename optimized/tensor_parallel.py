@@ -118,6 +118,20 @@ class TensorParallel:
         parts = self.all_gather(logits)                       # [size, N, P]
         return parts.permute(1, 0, 2).reshape(logits.shape[0], self.size * logits.shape[1])[:, :self.cfg.vocab_size]
 
+    def argmax_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """int64 [N], the same on every rank: each row's argmax over the whole vocabulary, from this rank's [N, P]
+        slice of the logits (`Model.forward(..., gather_logits=False)`). The slices' row maxima and their first
+        positions are gathered ([N, 2] a rank, not [N, P]) and the first rank holding the largest wins, so equal
+        maxima go to the lowest id, as in torch.argmax over the gathered logits. Padding columns never count."""
+        valid = len(self.vocab)   # this rank's real columns; the rest of its P pad the last slice
+        pair = torch.full((logits.shape[0], 2), -math.inf, dtype=torch.float64, device=logits.device)
+        if valid:   # float64 holds every bf16/fp32 logit and every token id exactly
+            top, idx = logits[:, :valid].max(dim=-1)
+            pair[:, 0], pair[:, 1] = top, idx + self.vocab.start
+        parts = self.all_gather(pair)                                # [size, N, 2]
+        best = parts[..., 0].argmax(dim=0, keepdim=True)             # the first rank of the largest maximum
+        return parts[..., 1].gather(0, best)[0].long()
+
     def gather_kv_heads(self, x: torch.Tensor) -> torch.Tensor:
         """[..., num_kv_heads, head_dim] from each rank's [..., local_kv_heads, head_dim]: the KV heads in order,
         each once (a replicated head is taken from the first rank that holds it)."""

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from parity_report import assert_same_tokens, kv_mismatch
 
 import reference
@@ -25,6 +27,8 @@ from chunkwise.config import ModelConfig
 from optimized import Engine, SamplingParams
 from optimized.model_runner import ModelRunner
 from optimized.tensor_parallel import TensorParallel
+
+DTYPES = [torch.float32, torch.bfloat16]
 
 pytestmark = pytest.mark.correctness
 
@@ -96,6 +100,37 @@ def test_each_ranks_query_heads_read_its_kv_heads_as_on_one_device(heads, kv_hea
     assert all(len(tp.vocab) <= tp.vocab_rows for tp in ranks)
 
 
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(2, 4), vocab=st.integers(1, 23), rows=st.integers(1, 4), dtype=st.sampled_from(DTYPES),
+       data=st.data())
+def test_argmax_over_the_vocabulary_slices_is_torch_argmax_over_the_whole_vocabulary(size, vocab, rows, dtype,
+                                                                                       data):
+    """Each rank's slice maxima, gathered (simulated here, every rank in one process), give every rank
+    torch.argmax of the whole logits: values from a few integers, all negative or not, so maxima tie within a
+    slice and across slices (the lowest id wins), and padding columns hold larger values that must never win (a
+    vocabulary of 1 to 23 leaves ranks with padding or with no column at all)."""
+    cfg = ModelConfig.from_dict(dict(model_type="llama", vocab_size=vocab, hidden_size=8, intermediate_size=16,
+                                     num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=8))
+    ranks = [TensorParallel(r, size, cfg, torch.device("cpu")) for r in range(size)]
+    p = ranks[0].vocab_rows
+    offset = data.draw(st.sampled_from([0, -10]), label="offset")
+    full = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, 3), min_size=vocab, max_size=vocab),
+                                           min_size=rows, max_size=rows), label="logits"), dtype=dtype) + offset
+    padded = torch.full((rows, size * p), 100.0, dtype=dtype)   # padding columns: far above every logit
+    padded[:, :vocab] = full
+    slices = [padded[:, r * p:(r + 1) * p] for r in range(size)]
+    sent = {}
+    for tp in ranks:   # first pass: what each rank sends
+        object.__setattr__(tp, "all_gather", lambda x, r=tp.rank: sent.setdefault(r, x).expand(size, *x.shape))
+        tp.argmax_logits(slices[tp.rank])
+    gathered = torch.stack([sent[r] for r in range(size)])
+    want = torch.argmax(full, dim=-1)
+    for tp in ranks:
+        object.__setattr__(tp, "all_gather", lambda x: gathered)
+        got = tp.argmax_logits(slices[tp.rank])
+        assert got.dtype == torch.int64 and torch.equal(got, want), f"rank {tp.rank}: {got} against {want}"
+
+
 def test_the_custom_all_reduce_asked_for_on_cpu_is_refused_with_a_warning():
     """It is opt-in: asked for where it cannot run (here: not a CUDA device), a warning says why, and every
     all-reduce stays with the process group."""
@@ -150,6 +185,24 @@ def test_greedy_tokens_equal_one_rank(case):
     assert_same_tokens(ref, prompts, [o.token_ids for o in tp.generate(prompts, GREEDY, chunk_sizes=CHUNKS)],
                        [o.token_ids for o in one.generate(prompts, GREEDY, chunk_sizes=CHUNKS)],
                        f"{name}, tensor_parallel_size=2 against 1, page_size=3, chunks {CHUNKS}")
+
+
+@pytest.mark.parametrize("asks", ["logprobs", "sampling"])
+def test_logprobs_and_sampled_requests_get_the_whole_logits_as_one_rank_has_them(case, asks):
+    """Greedy tokens come from each rank's vocabulary slice; a step whose rows ask for logprobs (greedy or not)
+    or sample gathers the whole logits first. Logprobs and seeded samples then match one rank's (float32: the
+    logits differ only in their last bits), beside a plain greedy request in the same steps."""
+    name, _, tp, one, _ = case
+    prompts = prompts_for(tp.config.vocab_size)[:2]
+    first = (SamplingParams(max_tokens=5, ignore_eos=True, logprobs=3) if asks == "logprobs" else
+             SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.8, top_k=20, seed=7))
+    params = [first, SamplingParams(max_tokens=5, ignore_eos=True)]
+    got, want = tp.generate(prompts, params), one.generate(prompts, params)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.token_ids == w.token_ids, f"{name} request {i}: {g.token_ids} against one rank's {w.token_ids}"
+        for a, b in zip(g.logprobs or [], w.logprobs or [], strict=True):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a), f"{name} request {i}: {a}, {b}"
+    assert [g.logprobs is None for g in got] == [asks != "logprobs", True]
 
 
 def test_prefill_kv_gathers_every_kv_head_once(case):
