@@ -10,7 +10,8 @@ Rank r of N holds (H query heads, KV key/value heads, I = intermediate_size, V =
   down_proj                   those columns, then one all_reduce                               row-parallel
   embed_tokens, lm_head       vocabulary rows [r*P, min((r+1)*P, V)): a rank embeds the ids in its slice and zeros
                               the others, and an all_reduce adds the one non-zero row of each token; lm_head gives
-                              the rank its slice of the logits (padded to P rows), gathered on every rank
+                              the rank its slice of the logits (padded to P rows): greedy tokens come from the
+                              slices' row maxima, the whole logits are gathered only when a row samples
   norms, q_norm, k_norm       whole (replicated)
 A rank's query heads all read its own KV heads in the same order as on one device (local query head j reads local
 KV head j // group), so the attention kernels run unchanged on the shard, and each rank's paged KV cache holds
@@ -19,7 +20,10 @@ only its KV heads, with the same pages and block tables on every rank.
 from __future__ import annotations
 
 import math
+import threading
 import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
@@ -33,6 +37,35 @@ from optimized.custom_all_reduce import CustomAllReduce, unusable
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class CollectiveGuard:
+    """Rank 0's eager collectives and its watcher's abort, kept apart. After NCCL's communicators are aborted, a
+    collective issued from the host waits for the lost rank instead of failing (seen on two H200s: an all-gather
+    issued after a worker was killed hung its step), so the watcher marks the group lost and aborts it under the
+    lock that each collective holds while it checks the mark and enqueues itself: none is issued after the abort."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.lost: str | None = None
+
+    @contextmanager
+    def issuing(self) -> Iterator[None]:
+        with self._lock:
+            if self.lost is not None:
+                raise RuntimeError(f"no collective is issued once {self.lost}")
+            yield
+
+    def stop(self, why: str, abort: Callable[[], None], wait_s: float = 1.0) -> None:
+        """Marks the group lost, then aborts it. A collective still enqueueing gets `wait_s` to finish first; one
+        that blocks longer (its host call waiting for the lost rank) is aborted under it."""
+        held = self._lock.acquire(timeout=wait_s)
+        try:
+            self.lost = why
+            abort()
+        finally:
+            if held:
+                self._lock.release()
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """Rank `rank` of `size` on `device`, over torch.distributed's default process group; `custom` serves the
@@ -42,6 +75,7 @@ class TensorParallel:
     cfg: ModelConfig
     device: torch.device
     custom: CustomAllReduce | None = field(default=None, compare=False)
+    guard: CollectiveGuard | None = field(default=None, compare=False)   # rank 0's, when it has a watcher
 
     # ---- what this rank holds ----------------------------------------------------------------------
     @property
@@ -103,14 +137,16 @@ class TensorParallel:
         """x summed over the ranks, in place (every rank gets the same bits)."""
         if self.custom is not None and self.custom.fits(x):
             return self.custom.all_reduce(x)
-        dist.all_reduce(x)
+        with self._issuing():
+            dist.all_reduce(x)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[size, *x.shape]: every rank's x, in rank order."""
         x = x.contiguous()
         out = torch.empty(self.size * x.shape[0], *x.shape[1:], dtype=x.dtype, device=x.device)
-        _all_gather_flat(out, x)   # concatenated along dim 0 (gloo insists on that layout)
+        with self._issuing():
+            _all_gather_flat(out, x)   # concatenated along dim 0 (gloo insists on that layout)
         return out.view(self.size, *x.shape)
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -143,5 +179,9 @@ class TensorParallel:
     def min(self, value: int) -> int:
         """The smallest of every rank's `value`."""
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        with self._issuing():
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
+
+    def _issuing(self):
+        return self.guard.issuing() if self.guard is not None else nullcontext()

@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 
 from chunkwise.engine_config import EngineConfig
 from chunkwise.weights import load_weights
-from optimized.tensor_parallel import TensorParallel
+from optimized.tensor_parallel import CollectiveGuard, TensorParallel
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)   # one collective, and the start-up rendezvous
 CLOSE_GRACE_S = 10.0                         # a worker's time to exit after "close" before it is terminated
@@ -72,7 +72,8 @@ class Workers:
                                f"launcher's process group); close() that engine first")
         self.size = config.tensor_parallel_size
         self.backend = _backend(config.device)
-        self.tp = TensorParallel(0, self.size, config.model_config, rank_device(config, 0))
+        self.guard = CollectiveGuard()   # rank 0's collectives, kept from running past the watcher's abort
+        self.tp = TensorParallel(0, self.size, config.model_config, rank_device(config, 0), guard=self.guard)
         self.error: str | None = None      # why the workers were torn down, once a rank failed
         self._joined = self._closed = False
         self.release = None   # frees rank 0's runner (its CUDA graphs hold NCCL resources) before the group is left
@@ -195,10 +196,14 @@ class Workers:
         self.close()
 
     def _watch(self) -> None:
-        """Aborts rank 0's NCCL communicators when a worker dies, so a collective waiting for it returns."""
+        """Aborts rank 0's NCCL communicators (and custom all-reduce) when a worker dies, so a collective waiting
+        for it returns, and keeps rank 0 from issuing any after that (see CollectiveGuard)."""
         ready = wait([p.sentinel for p in self.procs] + [self._wake_r])
         if self._closed or self._wake_r in ready or not (self._joined and self.backend == "nccl"):
             return   # gloo notices a dead peer by itself (its socket closes)
+        self.guard.stop("a tensor-parallel worker died", self._abort)
+
+    def _abort(self) -> None:
         if self.custom_all_reduce is not None:   # its kernels stop waiting; the step is then reported failed
             self.custom_all_reduce.abort()
         try:   # torch's own helper where it has one, else the group's abort

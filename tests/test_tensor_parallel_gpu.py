@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -177,4 +178,36 @@ def test_a_worker_killed_inside_a_graph_replayed_decode_fails_the_step_without_a
     with pytest.raises(TensorParallelError, match=rf"rank 1 \(pid {pid}\) died with exit code -9"):
         within(120, lambda: eng.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=8, ignore_eos=True)))
     assert len(sent) == 3 and replayed[-1] == 3, f"steps sent: {len(sent)}; replays in steps {replayed}"
+    assert_gone([pid])
+
+
+@pytest.mark.parametrize("custom", [False, True], ids=["nccl", "custom"])
+def test_a_worker_killed_while_rank_0_issues_an_eager_steps_collectives_fails_the_step_without_a_hang(custom):
+    """The worker is stopped before it gets the first (eager, prefill) step and killed while rank 0 is still
+    issuing that step's collectives; once the watcher has aborted the group, rank 0's next collective must raise
+    (CollectiveGuard) instead of waiting for the dead rank, and the step fails with TensorParallelError."""
+    eng = Engine(tiny_checkpoint("qwen3"), dtype="float32", tensor_parallel_size=2, custom_all_reduce=custom, **KW)
+    worker, guard, tp = eng._workers.procs[0], eng._workers.guard, eng.runner.model.tp
+    pid = worker.pid
+    together, all_reduce, reduces = eng._workers.together, tp.all_reduce, []
+
+    def together_stopping_the_worker(command, fn, wrap=True):
+        if command is not None and command[0] == "step":
+            os.kill(pid, signal.SIGSTOP)
+        return together(command, fn, wrap)
+
+    def all_reduce_killing_at_the_third(x):
+        reduces.append(1)
+        if len(reduces) == 3:
+            os.kill(pid, signal.SIGKILL)
+            worker.join(30)
+            deadline = time.monotonic() + 30
+            while guard.lost is None and time.monotonic() < deadline:   # the watcher's abort
+                time.sleep(0.01)
+        return all_reduce(x)
+    eng._workers.together = together_stopping_the_worker
+    object.__setattr__(tp, "all_reduce", all_reduce_killing_at_the_third)
+    with pytest.raises(TensorParallelError, match=rf"rank 1 \(pid {pid}\) died with exit code -9"):
+        within(120, lambda: eng.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=8, ignore_eos=True)))
+    assert eng.runner.launches == {("mixed", "eager"): 1}, eng.runner.launches
     assert_gone([pid])

@@ -20,9 +20,12 @@ import time
 
 import psutil
 import pytest
+import torch
 
 import reference
+from chunkwise.config import ModelConfig
 from optimized import Engine, SamplingParams
+from optimized.tensor_parallel import CollectiveGuard, TensorParallel
 from optimized.workers import TensorParallelError
 
 PROMPTS = [[5, 9, 14, 3, 22, 8, 17], [60, 61, 62, 63, 64, 65]]
@@ -127,6 +130,52 @@ def test_a_worker_dying_inside_a_step_fails_it_without_a_hang(ckpt):
     assert len(calls) == 2
     assert_gone(pids)
     assert not eng.has_unfinished()
+
+
+def test_no_collective_is_issued_after_the_watchers_abort():
+    """Rank 0's watcher aborts NCCL when a worker dies; a collective issued after that would wait for the dead
+    rank. The abort waits for a collective being enqueued, and every later one raises instead of reaching the
+    process group (none is initialised here: reaching it would raise another error)."""
+    cfg = ModelConfig.from_dict(dict(model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=32,
+                                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=8))
+    guard = CollectiveGuard()
+    tp = TensorParallel(0, 2, cfg, torch.device("cpu"), guard=guard)
+    events = []
+
+    def enqueueing():
+        with guard.issuing():
+            events.append("enqueue starts")
+            time.sleep(0.3)
+            events.append("enqueue ends")
+    t = threading.Thread(target=enqueueing)
+    t.start()
+    while not events:
+        time.sleep(0.01)
+    guard.stop("a worker died", lambda: events.append("abort"))
+    t.join()
+    assert events == ["enqueue starts", "enqueue ends", "abort"]
+    for collective in (lambda: tp.all_reduce(torch.ones(2)), lambda: tp.all_gather(torch.ones(2)), lambda: tp.min(3),
+                       lambda: tp.argmax_logits(torch.ones(2, 32))):
+        with pytest.raises(RuntimeError, match="no collective is issued once a worker died"):
+            collective()
+
+
+def test_a_collective_stuck_enqueueing_does_not_keep_the_abort_waiting():
+    guard = CollectiveGuard()
+    release = threading.Event()
+
+    def stuck():
+        with guard.issuing():
+            release.wait(10)
+    t = threading.Thread(target=stuck)
+    t.start()
+    time.sleep(0.05)
+    aborted = []
+    start = time.perf_counter()
+    guard.stop("a worker died", lambda: aborted.append(time.perf_counter() - start), wait_s=0.2)
+    release.set()
+    t.join()
+    assert aborted and 0.15 < aborted[0] < 5, aborted   # after its wait, not after the stuck call
 
 
 @pytest.mark.slow
