@@ -43,7 +43,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.bench_engine import SPECS, COMPILED, Spec, _install_compile_counter, make_workload, run_engine
+from benchmarks.bench_engine import COMPILED, SPECS, Spec, _install_compile_counter, make_workload, run_engine
 from benchmarks.roofline import ModelCost, measure_ceilings, workload_roofline
 from chunkwise.cache import cache_root, cached_dir
 from chunkwise.config import ModelConfig

@@ -72,6 +72,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def needs_logits(self) -> bool:
+        """Whether its token or logprobs are computed from the logits on the host, not from the argmax alone."""
+        return not self.greedy or self.logprobs is not None
+
 
 @dataclass
 class RequestOutput:

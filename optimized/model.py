@@ -14,8 +14,9 @@ keep a row's bits (their rows per program depend on the width only), and RoPE's 
 
 Tensor parallelism (`tp`, see optimized/tensor_parallel.py): the weights are one rank's shard; the embedding,
 o_proj and down_proj outputs are summed over the ranks (one all_reduce each; with the custom all-reduce, inside the
-next norm's kernel) and the logits gathered, so every rank carries the same residual stream and ends with the whole
-logits. Without `tp` the forward calls no collective.
+next norm's kernel), so every rank carries the same residual stream; each ends with its slice of the logits, or
+with the whole logits gathered (`gather_logits`, the default for direct callers). Without `tp` the forward calls no
+collective.
 
 Flat-batch layout (built by `ModelRunner`): tokens of the sequences that bring prompt chunks come first
 (sequence s owns rows query_start_loc[s]:query_start_loc[s+1]), then one token per decoding sequence.

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -145,13 +146,17 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
         self.tables = BlockTables(self.max_pages_per_seq, self.device)
         self.generators: dict[int, torch.Generator | None] = {}
-        # The last launched step's tokens on the device, and each sampling sequence's row in them.
+        # The last launched step's tokens on the device, and each sampling sequence's row in them. Under tensor
+        # parallelism a graph step's live in the graphs' pool until the next replay, as Launched.logits do: every
+        # read of them is queued before that replay.
         self.last_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.last_rows: dict[int, int] = {}
         # (cascade attention?, decode bucket) -> the graph, the logits its replays write and, under tensor
         # parallelism, their greedy tokens (None otherwise)
         self.graphs: dict[tuple[bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
-        self._graph_tokens: torch.Tensor | None = None   # the last replay's tokens, taken by _logits_and_tokens
+        # The last replay's tokens under tensor parallelism, taken by _logits_and_tokens (which clears it before
+        # each forward): a wrapper of `forward` that returns other logits than the replay's would get these tokens.
+        self._graph_tokens: torch.Tensor | None = None
         self.graph_rows = 0
         # Steps by kind ("decode", "cascade decode", "mixed": with prefill rows) and path ("graph", "eager").
         self.launches: Counter[tuple[str, str]] = Counter()
@@ -231,8 +236,7 @@ class ModelRunner:
                         cascade=self._cascade(rows[len(prefill):], start[len(prefill):] + 1),
                         pending=(ends - 1)[pending], pending_src=src,
                         gather_logits=self.model.tp is not None and any(
-                            not (s.sampling_params.greedy and s.sampling_params.logprobs is None) for s, _, keep, _
-                            in entries if keep),
+                            s.sampling_params.needs_logits for s, _, keep, _ in entries if keep),
                         table_updates=self.tables.updates, table_rows=self.tables.table.shape[0])
         return host, [e[0] for e in entries if e[2]]
 
@@ -421,8 +425,8 @@ class ModelRunner:
 
     def _capturable(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What a decode graph captures: the logits (a rank's vocabulary slice under tensor parallelism) and, under
-        tensor parallelism, their greedy tokens, so that a replay leaves the host no collective to issue: a peer
-        lost during the replay then has the host waiting on nothing the watcher's abort cannot end."""
+        tensor parallelism, their greedy tokens, so that a greedy step's replay leaves the host no collective to
+        issue after it (only a step that samples gathers its logits eagerly, through CollectiveGuard)."""
         logits = self.model.forward(inp, self.kv_caches, gather_logits=False)
         return logits, (self.model.tp.argmax_logits(logits) if self.model.tp is not None else None)
 
@@ -468,7 +472,8 @@ class ModelRunner:
         """Decode-only step through its bucket's graph (the cascade one for a cascade step); the padding rows'
         logits are dropped."""
         graph, logits, tokens = self.graphs[host.cascade is not None, self._stage(host, d)]
-        graph.replay()
+        with self.model.tp.issuing() if self.model.tp is not None else nullcontext():   # its NCCL kernels
+            graph.replay()
         self._graph_tokens = None if tokens is None else tokens[:d]
         return logits[:d]
 
@@ -498,7 +503,8 @@ class ModelRunner:
             for chunks in prefills:
                 for d in (0, 1, 16, 17):
                     if chunks or d:
-                        self.model.forward(self._upload(_synthetic_step(chunks, d)), self.kv_caches)
+                        self.model.forward(self._upload(_synthetic_step(chunks, d)), self.kv_caches,
+                                           gather_logits=False)
         torch.cuda.synchronize(self.device)
 
     def _above_custom_all_reduce(self) -> list[list[int]]:

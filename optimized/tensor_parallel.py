@@ -37,11 +37,15 @@ from optimized.custom_all_reduce import CustomAllReduce, unusable
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+ISSUE_WAIT_S = 60
+
+
 class CollectiveGuard:
     """Rank 0's eager collectives and its watcher's abort, kept apart. After NCCL's communicators are aborted, a
     collective issued from the host waits for the lost rank instead of failing (seen on two H200s: an all-gather
     issued after a worker was killed hung its step), so the watcher marks the group lost and aborts it under the
-    lock that each collective holds while it checks the mark and enqueues itself: none is issued after the abort."""
+    lock that each collective holds while it checks the mark and enqueues itself (a decode graph's replay, holding
+    NCCL kernels, counts as one): none is issued after the abort."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -49,10 +53,15 @@ class CollectiveGuard:
 
     @contextmanager
     def issuing(self) -> Iterator[None]:
-        with self._lock:
+        """Held while one collective (or a graph replay holding collectives) is enqueued."""
+        if not self._lock.acquire(timeout=ISSUE_WAIT_S):   # only an abort stuck in its own call holds it so long
+            raise RuntimeError(f"no collective is issued: the watcher's abort has held the group for {ISSUE_WAIT_S} s")
+        try:
             if self.lost is not None:
                 raise RuntimeError(f"no collective is issued once {self.lost}")
             yield
+        finally:
+            self._lock.release()
 
     def stop(self, why: str, abort: Callable[[], None], wait_s: float = 1.0) -> None:
         """Marks the group lost, then aborts it. A collective still enqueueing gets `wait_s` to finish first; one
@@ -137,7 +146,7 @@ class TensorParallel:
         """x summed over the ranks, in place (every rank gets the same bits)."""
         if self.custom is not None and self.custom.fits(x):
             return self.custom.all_reduce(x)
-        with self._issuing():
+        with self.issuing():
             dist.all_reduce(x)
         return x
 
@@ -145,7 +154,7 @@ class TensorParallel:
         """[size, *x.shape]: every rank's x, in rank order."""
         x = x.contiguous()
         out = torch.empty(self.size * x.shape[0], *x.shape[1:], dtype=x.dtype, device=x.device)
-        with self._issuing():
+        with self.issuing():
             _all_gather_flat(out, x)   # concatenated along dim 0 (gloo insists on that layout)
         return out.view(self.size, *x.shape)
 
@@ -179,9 +188,10 @@ class TensorParallel:
     def min(self, value: int) -> int:
         """The smallest of every rank's `value`."""
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        with self._issuing():
+        with self.issuing():
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
-    def _issuing(self):
+    def issuing(self):
+        """The context in which to enqueue collectives of this rank: see CollectiveGuard (a no-op without one)."""
         return self.guard.issuing() if self.guard is not None else nullcontext()

@@ -73,8 +73,8 @@ def case(request, tmp_path_factory):
     if request.param in ("mha", "gqa"):
         ckpt = with_random_biases(ckpt, tmp_path_factory.mktemp("biased") / ckpt.name)
     kw = dict(ENGINE_KW, num_pages=NUM_PAGES[request.param])
-    # Overlap scheduling (the GPU default; off by default on CPU): each worker feeds step k+1 with the tokens it
-    # took itself from step k's gathered logits. The TP=1 engine runs synchronously.
+    # Overlap scheduling (the GPU default; off by default on CPU): each worker feeds step k+1 with step k's tokens
+    # as it got them itself (from the vocabulary slices' maxima). The TP=1 engine runs synchronously.
     with Engine(ckpt, tensor_parallel_size=2, async_scheduling=True, **kw) as tp:
         yield request.param, ckpt, tp, Engine(ckpt, **kw), reference.Engine(ckpt, max_model_len=64)
 
@@ -197,7 +197,23 @@ def test_logprobs_and_sampled_requests_get_the_whole_logits_as_one_rank_has_them
     first = (SamplingParams(max_tokens=5, ignore_eos=True, logprobs=3) if asks == "logprobs" else
              SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.8, top_k=20, seed=7))
     params = [first, SamplingParams(max_tokens=5, ignore_eos=True)]
-    got, want = tp.generate(prompts, params), one.generate(prompts, params)
+    runner_tp = tp.runner.model.tp
+    all_gather, widths = runner_tp.all_gather, []
+
+    def all_gather_counted(x):
+        widths.append(x.shape[-1])
+        return all_gather(x)
+    object.__setattr__(runner_tp, "all_gather", all_gather_counted)
+    try:
+        greedy_only = tp.generate(prompts, [params[1]] * 2)
+        greedy_widths, widths[:] = widths[:], []
+        got, want = tp.generate(prompts, params), one.generate(prompts, params)
+    finally:
+        object.__delattr__(runner_tp, "all_gather")
+    # Greedy steps gather [rows, 2] (the slices' maxima) and nothing as wide as a vocabulary slice.
+    assert greedy_widths and set(greedy_widths) == {2}, greedy_widths
+    assert runner_tp.vocab_rows in widths, widths
+    assert [o.token_ids for o in greedy_only] == [o.token_ids for o in one.generate(prompts, [params[1]] * 2)]
     for i, (g, w) in enumerate(zip(got, want)):
         assert g.token_ids == w.token_ids, f"{name} request {i}: {g.token_ids} against one rank's {w.token_ids}"
         for a, b in zip(g.logprobs or [], w.logprobs or [], strict=True):

@@ -183,30 +183,30 @@ def test_a_worker_killed_inside_a_graph_replayed_decode_fails_the_step_without_a
 
 @pytest.mark.parametrize("custom", [False, True], ids=["nccl", "custom"])
 def test_a_worker_killed_while_rank_0_issues_an_eager_steps_collectives_fails_the_step_without_a_hang(custom):
-    """The worker is stopped before it gets the first (eager, prefill) step and killed while rank 0 is still
-    issuing that step's collectives; once the watcher has aborted the group, rank 0's next collective must raise
-    (CollectiveGuard) instead of waiting for the dead rank, and the step fails with TensorParallelError."""
+    """The worker is stopped before it gets the first (eager, prefill) step and killed before rank 0 issues that
+    step's last collective (the greedy tokens' gather, which both all-reduce paths reach: with the custom one on,
+    the layers' sums go through its norm kernel, not tp.all_reduce); once the watcher has aborted the group, that
+    collective must raise (CollectiveGuard) instead of waiting for the dead rank, and the step fails with
+    TensorParallelError."""
     eng = Engine(tiny_checkpoint("qwen3"), dtype="float32", tensor_parallel_size=2, custom_all_reduce=custom, **KW)
     worker, guard, tp = eng._workers.procs[0], eng._workers.guard, eng.runner.model.tp
     pid = worker.pid
-    together, all_reduce, reduces = eng._workers.together, tp.all_reduce, []
+    together, all_gather = eng._workers.together, tp.all_gather
 
     def together_stopping_the_worker(command, fn, wrap=True):
         if command is not None and command[0] == "step":
             os.kill(pid, signal.SIGSTOP)
         return together(command, fn, wrap)
 
-    def all_reduce_killing_at_the_third(x):
-        reduces.append(1)
-        if len(reduces) == 3:
-            os.kill(pid, signal.SIGKILL)
-            worker.join(30)
-            deadline = time.monotonic() + 30
-            while guard.lost is None and time.monotonic() < deadline:   # the watcher's abort
-                time.sleep(0.01)
-        return all_reduce(x)
+    def all_gather_after_the_kill(x):
+        os.kill(pid, signal.SIGKILL)
+        worker.join(30)
+        deadline = time.monotonic() + 30
+        while guard.lost is None and time.monotonic() < deadline:   # the watcher's abort
+            time.sleep(0.01)
+        return all_gather(x)
     eng._workers.together = together_stopping_the_worker
-    object.__setattr__(tp, "all_reduce", all_reduce_killing_at_the_third)
+    object.__setattr__(tp, "all_gather", all_gather_after_the_kill)
     with pytest.raises(TensorParallelError, match=rf"rank 1 \(pid {pid}\) died with exit code -9"):
         within(120, lambda: eng.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=8, ignore_eos=True)))
     assert eng.runner.launches == {("mixed", "eager"): 1}, eng.runner.launches

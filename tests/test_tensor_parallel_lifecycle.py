@@ -162,14 +162,15 @@ def test_no_collective_is_issued_after_the_watchers_abort():
 
 def test_a_collective_stuck_enqueueing_does_not_keep_the_abort_waiting():
     guard = CollectiveGuard()
-    release = threading.Event()
+    inside, release = threading.Event(), threading.Event()
 
     def stuck():
         with guard.issuing():
+            inside.set()
             release.wait(10)
     t = threading.Thread(target=stuck)
     t.start()
-    time.sleep(0.05)
+    inside.wait(10)
     aborted = []
     start = time.perf_counter()
     guard.stop("a worker died", lambda: aborted.append(time.perf_counter() - start), wait_s=0.2)
