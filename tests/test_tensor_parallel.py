@@ -15,6 +15,8 @@ against one rank's; tests/test_tensor_parallel_modes.py covers split-KV, cascade
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -118,17 +120,37 @@ def test_argmax_over_the_vocabulary_slices_is_torch_argmax_over_the_whole_vocabu
                                            min_size=rows, max_size=rows), label="logits"), dtype=dtype) + offset
     padded = torch.full((rows, size * p), 100.0, dtype=dtype)   # padding columns: far above every logit
     padded[:, :vocab] = full
-    slices = [padded[:, r * p:(r + 1) * p] for r in range(size)]
-    sent = {}
-    for tp in ranks:   # first pass: what each rank sends
-        object.__setattr__(tp, "all_gather", lambda x, r=tp.rank: sent.setdefault(r, x).expand(size, *x.shape))
-        tp.argmax_logits(slices[tp.rank])
-    gathered = torch.stack([sent[r] for r in range(size)])
     want = torch.argmax(full, dim=-1)
+    for rank, got in enumerate(simulated_argmax(ranks, [padded[:, r * p:(r + 1) * p] for r in range(size)])):
+        assert got.dtype == torch.int64 and torch.equal(got, want), f"rank {rank}: {got} against {want}"
+
+
+def simulated_argmax(ranks: list[TensorParallel], slices: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each rank's argmax_logits of its slice, the collective simulated in this process: a first pass records what
+    each rank sends, a second hands every rank all of it."""
+    sent = {}
+    for tp in ranks:
+        object.__setattr__(tp, "all_gather", lambda x, r=tp.rank: sent.setdefault(r, x).expand(len(ranks), *x.shape))
+        tp.argmax_logits(slices[tp.rank])
+    gathered = torch.stack([sent[r] for r in range(len(ranks))])
     for tp in ranks:
         object.__setattr__(tp, "all_gather", lambda x: gathered)
-        got = tp.argmax_logits(slices[tp.rank])
-        assert got.dtype == torch.int64 and torch.equal(got, want), f"rank {tp.rank}: {got} against {want}"
+    return [tp.argmax_logits(slices[tp.rank]) for tp in ranks]
+
+
+@pytest.mark.parametrize("row", [
+    [-math.inf] * 7, [1.0, math.nan, 3.0, math.nan, 2.0, 0.0, 1.0], [1.0, 2.0, 3.0, 9.0, math.nan, 9.0, 1.0],
+    [math.inf, 2.0, math.nan, math.inf, 0.0, 1.0, 3.0], [0.0, 1.0, 2.0, 3.0, 4.0, math.inf, math.inf]])
+def test_argmax_over_the_vocabulary_slices_takes_nan_and_infinities_as_torch_argmax_does(row):
+    """torch.argmax takes the first NaN as the largest, and the first of equal infinities; with 3 ranks of slices
+    of 3 over a vocabulary of 7, the last slice is padded and NaN or infinity can sit in any slice."""
+    cfg = ModelConfig.from_dict(dict(model_type="llama", vocab_size=7, hidden_size=8, intermediate_size=16,
+                                     num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=8))
+    ranks = [TensorParallel(r, 3, cfg, torch.device("cpu")) for r in range(3)]
+    full = torch.tensor([row])
+    padded = torch.cat([full, torch.zeros(1, 2)], dim=1)
+    for got in simulated_argmax(ranks, [padded[:, 3 * r:3 * r + 3] for r in range(3)]):
+        assert got.tolist() == torch.argmax(full, -1).tolist()
 
 
 def test_the_custom_all_reduce_asked_for_on_cpu_is_refused_with_a_warning():
