@@ -14,8 +14,8 @@ keep a row's bits (their rows per program depend on the width only), and RoPE's 
 
 Tensor parallelism (`tp`, see optimized/tensor_parallel.py): the weights are one rank's shard; the embedding,
 o_proj and down_proj outputs are summed over the ranks (one all_reduce each; with the custom all-reduce, inside the
-next norm's kernel), so every rank carries the same residual stream; each ends with its slice of the logits, or
-with the whole logits gathered (`gather_logits`, the default for direct callers). Without `tp` the forward calls no
+next norm's kernel), so every rank carries the same residual stream, and each ends with its slice of the logits
+(`TensorParallel.argmax_logits` and `gather_logits` take it from there). Without `tp` the forward calls no
 collective.
 
 Flat-batch layout (built by `ModelRunner`): tokens of the sequences that bring prompt chunks come first
@@ -128,11 +128,9 @@ class Model:
             self.tp.all_reduce(h)
         return add_rms_norm(h, residual, weight, eps, plus_one, pre_weight=pre_weight)
 
-    def forward(self, inp: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                gather_logits: bool = True) -> torch.Tensor:
+    def forward(self, inp: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Logits [N, vocab] for the rows `inp.logits_indices` (the model's dtype; float32 when soft-capped), after
-        writing every layer's K/V. Under tensor parallelism with gather_logits=False, this rank's [N, P] slice of
-        them instead (soft-capped alike; see TensorParallel.gather_logits and argmax_logits)."""
+        writing every layer's K/V; under tensor parallelism, this rank's [N, P] slice of them (soft-capped alike)."""
         h = self._embed(inp.input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
@@ -156,8 +154,6 @@ class Model:
             h = self._mlp(lw, x)
         x, _ = self._add_norm(h, residual, self.final_norm, pending)  # row-wise: norm all rows, then pick
         logits = self._linear(x[inp.logits_indices], self.lm_head)
-        if self.tp is not None and gather_logits:
-            logits = self.tp.gather_logits(logits)
         cap = self.cfg.final_logit_softcapping
         if cap:
             return torch.tanh(logits.float() / cap) * cap

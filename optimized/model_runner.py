@@ -154,9 +154,6 @@ class ModelRunner:
         # (cascade attention?, decode bucket) -> the graph, the logits its replays write and, under tensor
         # parallelism, their greedy tokens (None otherwise)
         self.graphs: dict[tuple[bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
-        # The last replay's tokens under tensor parallelism, taken by _logits_and_tokens (which clears it before
-        # each forward): a wrapper of `forward` that returns other logits than the replay's would get these tokens.
-        self._graph_tokens: torch.Tensor | None = None
         self.graph_rows = 0
         # Steps by kind ("decode", "cascade decode", "mixed": with prefill rows) and path ("graph", "eager").
         self.launches: Counter[tuple[str, str]] = Counter()
@@ -327,18 +324,19 @@ class ModelRunner:
         forward leaves each rank its vocabulary slice; the tokens come from the slices' maxima, and the logits
         are gathered whole only when the step samples from them (HostStep.gather_logits): gathering [N, vocab]
         to every rank took about 3% of a 256-row decode step of a 128k vocabulary on two H200s."""
-        self._graph_tokens = None
-        logits = self.forward(host)
+        logits, tokens = self.forward(host)
         tp = self.model.tp
         if tp is None:
             return logits, torch.argmax(logits, dim=-1)
-        tokens = self._graph_tokens if self._graph_tokens is not None else tp.argmax_logits(logits)
+        if tokens is None:
+            tokens = tp.argmax_logits(logits)
         return (tp.gather_logits(logits) if host.gather_logits else None), tokens
 
-    def forward(self, host: HostStep) -> torch.Tensor:
-        """Logits of a prepared step (under tensor parallelism this rank's vocabulary slice): a CUDA graph replay
-        for decode-only steps that fit one (cascade steps through their own graphs), else eager. Counted in
-        `launches` by (kind, path)."""
+    def forward(self, host: HostStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits, greedy tokens or None) of a prepared step: a CUDA graph replay for decode-only steps that fit
+        one (cascade steps through their own graphs; under tensor parallelism the graph also took the tokens), else
+        eager (no tokens). Logits are this rank's vocabulary slice under tensor parallelism. Counted in `launches`
+        by (kind, path)."""
         d = len(host.rows) - host.num_prefill
         cascade = host.cascade is not None
         kind = "mixed" if host.num_prefill else "cascade decode" if cascade else "decode"
@@ -347,7 +345,7 @@ class ModelRunner:
             self.launches[kind, "graph"] += 1
             return self._replay(host, d)
         self.launches[kind, "eager"] += 1
-        return self.model.forward(self._upload(host), self.kv_caches, gather_logits=False)
+        return self.model.forward(self._upload(host), self.kv_caches), None
 
     def _static_buffers(self, max_num_seqs: int):
         """The decode graphs' static inputs (shared by every bucket's graphs) and their staging twins on the host.
@@ -427,7 +425,7 @@ class ModelRunner:
         """What a decode graph captures: the logits (a rank's vocabulary slice under tensor parallelism) and, under
         tensor parallelism, their greedy tokens, so that a greedy step's replay leaves the host no collective to
         issue after it (only a step that samples gathers its logits eagerly, through CollectiveGuard)."""
-        logits = self.model.forward(inp, self.kv_caches, gather_logits=False)
+        logits = self.model.forward(inp, self.kv_caches)
         return logits, (self.model.tp.argmax_logits(logits) if self.model.tp is not None else None)
 
     def _stage(self, host: HostStep, d: int) -> int:
@@ -468,25 +466,23 @@ class ModelRunner:
         torch.index_select(self.tables.table, 0, self.static64[4 * seg:4 * seg + bs], out=self.static_tables[:bs])
         return bs
 
-    def _replay(self, host: HostStep, d: int) -> torch.Tensor:
-        """Decode-only step through its bucket's graph (the cascade one for a cascade step); the padding rows'
-        logits are dropped."""
+    def _replay(self, host: HostStep, d: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decode-only step through its bucket's graph (the cascade one for a cascade step): its logits and, under
+        tensor parallelism, tokens; the padding rows' are dropped."""
         graph, logits, tokens = self.graphs[host.cascade is not None, self._stage(host, d)]
         with self.model.tp.issuing() if self.model.tp is not None else nullcontext():   # its NCCL kernels
             graph.replay()
-        self._graph_tokens = None if tokens is None else tokens[:d]
-        return logits[:d]
+        return logits[:d], None if tokens is None else tokens[:d]
 
     def _static_forward(self, host: HostStep) -> torch.Tensor:
-        """What `_replay` computes, run eagerly over the same static inputs: a decode-only step padded to its
+        """The logits `_replay` computes, run eagerly over the same static inputs: a decode-only step padded to its
         bucket (tests the staging where no graph can be captured, e.g. on CPU; needs `_static_buffers`)."""
         d = len(host.rows)
         if host.num_prefill or len(host.logits_indices) != d or d > self.graph_rows:
             raise ValueError(f"a static step is decode-only, each decode sampled, at most {self.graph_rows} rows; "
                              f"got {host.num_prefill} prefills, {len(host.logits_indices)} of {d} rows sampled")
         bs = self._stage(host, d)
-        return self.model.forward(self._static_inputs(bs, host.cascade is not None), self.kv_caches,
-                                  gather_logits=False)[:d]
+        return self.model.forward(self._static_inputs(bs, host.cascade is not None), self.kv_caches)[:d]
 
     def _warm_up(self):
         """Run one eager forward per specialisation class, so no Triton kernel compiles inside a user's step.
@@ -503,8 +499,7 @@ class ModelRunner:
             for chunks in prefills:
                 for d in (0, 1, 16, 17):
                     if chunks or d:
-                        self.model.forward(self._upload(_synthetic_step(chunks, d)), self.kv_caches,
-                                           gather_logits=False)
+                        self.model.forward(self._upload(_synthetic_step(chunks, d)), self.kv_caches)
         torch.cuda.synchronize(self.device)
 
     def _above_custom_all_reduce(self) -> list[list[int]]:

@@ -165,7 +165,7 @@ class TensorParallel:
 
     def argmax_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """int64 [N], the same on every rank: each row's argmax over the whole vocabulary, from this rank's [N, P]
-        slice of the logits (`Model.forward(..., gather_logits=False)`). The slices' row maxima and their first
+        slice of the logits (as `Model.forward` leaves them). The slices' row maxima and their first
         positions are gathered ([N, 2] a rank, not [N, P]) and the first rank holding the largest wins, so equal
         maxima go to the lowest id, as in torch.argmax over the gathered logits. Padding columns never count."""
         valid = len(self.vocab)   # this rank's real columns; the rest of its P pad the last slice

@@ -102,10 +102,10 @@ def test_cascade_steps_over_the_graphs_static_inputs_equal_eager_and_split_kv_st
     eager_forward, rows_seen, kinds = runner.forward, [], Counter()
 
     def forward(host):
-        logits = eager_forward(host)
+        logits, _ = eager_forward(host)
         kinds["mixed" if host.num_prefill else "cascade decode" if host.cascade is not None else "decode"] += 1
         if host.num_prefill or len(host.logits_indices) != len(host.rows):
-            return logits
+            return logits, None
         static = runner._static_forward(host)
         if host.cascade is not None:
             # The graph's groups hold the step's (their results alone cannot tell: no sharing is split-KV too),
@@ -121,7 +121,7 @@ def test_cascade_steps_over_the_graphs_static_inputs_equal_eager_and_split_kv_st
             if len(host.rows) in runner.buckets:
                 assert torch.equal(static, logits)
             rows_seen.append(len(host.rows))
-        return static   # the engine goes on with what the replay would give
+        return static, None   # the engine goes on with what the replay would give
     runner.forward = forward
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     first = eng.add_request(prompts[0], params)

@@ -169,11 +169,11 @@ def test_a_worker_killed_inside_a_graph_replayed_decode_fails_the_step_without_a
 
     def replay_then_kill(host, d):
         replayed.append(len(sent))
-        logits = replay(host, d)
+        out = replay(host, d)
         if len(sent) == 3:   # rank 0's replay is launched, its all-reduces waiting for the stopped worker
             os.kill(pid, signal.SIGKILL)
             worker.join(30)
-        return logits
+        return out
     eng._workers.together, eng.runner._replay = together_stopping_the_worker, replay_then_kill
     with pytest.raises(TensorParallelError, match=rf"rank 1 \(pid {pid}\) died with exit code -9"):
         within(120, lambda: eng.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=8, ignore_eos=True)))
