@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from kernels.fused_norm import add_rms_norm_ref, weigh
-from kernels.tiling import cast, num_warps_for
+from kernels.tiling import block_rows, cast, num_warps_for
 
 POLL_EVERY = tl.constexpr(1024)   # flag reads between polls of the abort word and the clock
 
@@ -163,24 +163,25 @@ class PeerBuffers:
         self.rank, self.world, self.hidden, self.dtype, self.programs = rank, world, hidden, dtype, programs
         self.cap = cap
         self.control = torch.zeros(5, dtype=torch.int64).pin_memory()   # read and written while kernels run
+        self._control = self.control.numpy()   # the same memory, read each step without torch's indexing
         self.recv_ptrs = torch.tensor(recv_ptrs, dtype=torch.int64, device=device)
         self.flag_ptrs = torch.tensor(flag_ptrs, dtype=torch.int64, device=device)
         self.tickets = torch.zeros(1, dtype=torch.int64, device=device)
         self.timeout_ns = int(timeout_s * 1e9)
         self.block_n = triton.next_power_of_2(hidden)
-        self.block_r = 1   # rows per tile, fixed (the slot argument): fused_norm's on the GPU, so the same bits
+        self.block_r = block_rows(self.block_n, device)   # fixed (the slot argument); fused_norm's, so its bits
         self.num_warps = num_warps_for(self.block_r * self.block_n)
         self.read_delay_ns = 0   # tests only: this rank waits so long between its flags and its reads
 
     def abort(self) -> None:
         """Ends every call of this rank waiting for a peer, now and later (any thread)."""
-        self.control[0] = 1
+        self._control[0] = 1
 
     def gave_up(self) -> str | None:
         """None while no call of this rank gave up; else what it knows of why (read without touching the GPU)."""
-        if not self.control[1]:
+        if not self._control[1]:
             return None
-        call, peer, seen = self.control[2:].tolist()
+        call, peer, seen = self._control[2:].tolist()
         if not call:
             return "a call stopped without waiting: another rank had given up first"
         return f"call {call} gave up waiting for rank {peer}, which had delivered its call {seen}"

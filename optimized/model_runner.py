@@ -120,8 +120,8 @@ class ModelRunner:
         self.config, self.cfg = config, cfg
         if tp is not None and config.custom_all_reduce:   # before the KV cache takes the free memory
             tp = tp.with_custom_all_reduce(config.dtype, COLLECTIVE_TIMEOUT)
-            if workers is not None and tp.custom is not None:
-                workers.custom_all_reduce = tp.custom
+            if workers is not None:
+                workers.tp = tp
         self.tp, self.workers = tp, workers
         self.num_heads = len(tp.q_heads) if tp else cfg.num_heads          # this rank's
         self.num_kv_heads = len(tp.kv_heads) if tp else cfg.num_kv_heads

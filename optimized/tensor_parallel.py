@@ -192,6 +192,10 @@ class TensorParallel:
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
+    def stopped(self) -> str | None:
+        """Why this rank's sums cannot be used (its custom all-reduce gave up a call), or None."""
+        return self.custom.stopped() if self.custom is not None else None
+
     def issuing(self):
         """The context in which to enqueue collectives of this rank: see CollectiveGuard (a no-op without one)."""
         return self.guard.issuing() if self.guard is not None else nullcontext()

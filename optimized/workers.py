@@ -73,11 +73,12 @@ class Workers:
         self.size = config.tensor_parallel_size
         self.backend = _backend(config.device)
         self.guard = CollectiveGuard()   # rank 0's collectives, kept from running past the watcher's abort
+        # Rank 0's; its runner puts back the one with the custom all-reduce, which is then aborted with NCCL and
+        # checked each step.
         self.tp = TensorParallel(0, self.size, config.model_config, rank_device(config, 0), guard=self.guard)
         self.error: str | None = None      # why the workers were torn down, once a rank failed
         self._joined = self._closed = False
         self.release = None   # frees rank 0's runner (its CUDA graphs hold NCCL resources) before the group is left
-        self.custom_all_reduce = None   # rank 0's, once its runner built one: aborted with NCCL, checked each step
         self.procs, self.conns = [], []
         self.store = dist.TCPStore(HOST, 0, self.size, is_master=True, wait_for_workers=False,
                                    timeout=COLLECTIVE_TIMEOUT)
@@ -153,8 +154,8 @@ class Workers:
         if self._closed:
             raise TensorParallelError("the tensor-parallel workers are closed")
         reason = self._failure()
-        if reason is None and self.custom_all_reduce is not None:
-            reason = self.custom_all_reduce.stopped()
+        if reason is None:
+            reason = self.tp.stopped()
         if reason is not None:
             self._break(reason)
             raise TensorParallelError(reason)
@@ -204,8 +205,8 @@ class Workers:
         self.guard.stop("a tensor-parallel worker died", self._abort)
 
     def _abort(self) -> None:
-        if self.custom_all_reduce is not None:   # its kernels stop waiting; the step is then reported failed
-            self.custom_all_reduce.abort()
+        if self.tp.custom is not None:   # its kernels stop waiting; the step is then reported failed
+            self.tp.custom.abort()
         try:   # torch's own helper where it has one, else the group's abort
             abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
             if abort is None:
@@ -221,8 +222,8 @@ class Workers:
         self._closed = True
         self._wake_w.send(None)
         graceful = self.error is None and self._joined   # else a worker may be inside a collective, or loading
-        if not graceful and self.custom_all_reduce is not None:   # rank 0's calls waiting for a worker end now
-            self.custom_all_reduce.abort()
+        if not graceful and self.tp.custom is not None:   # rank 0's calls waiting for a worker end now
+            self.tp.custom.abort()
         if graceful:
             for conn in self.conns:
                 try:
@@ -243,8 +244,8 @@ class Workers:
                 proc.join()
         for conn in self.conns:
             conn.close()
-        if self.custom_all_reduce is not None:   # no worker maps rank 0's buffer any more
-            self.custom_all_reduce.close()
+        if self.tp.custom is not None:   # no worker maps rank 0's buffer any more
+            self.tp.custom.close()
         self.store = None
 
 
@@ -303,7 +304,7 @@ def _worker_main(rank: int, config: EngineConfig, port: int, numerics: dict, con
         del weights
         while True:
             command, arg = pickle.loads(conn.recv_bytes())
-            stopped = runner.tp.custom.stopped() if runner.tp.custom is not None else None
+            stopped = runner.tp.stopped()
             if stopped is not None:
                 raise TensorParallelError(stopped)
             if command == "step":

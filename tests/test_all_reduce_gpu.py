@@ -132,9 +132,15 @@ def test_an_abort_ends_a_call_waiting_for_a_dead_peer_and_later_calls_do_not_wai
 
 def test_a_call_gives_up_after_its_timeout():
     group = _group(2, 1024, torch.float32, timeout_s=0.2)
+    done = torch.cuda.Event()
     start = time.monotonic()
     _alone(group[0])
-    torch.cuda.synchronize()
+    done.record()
+    while not done.query():   # polled, not synchronize(): a broken timeout fails here instead of hanging
+        if time.monotonic() - start > 10:
+            group[0].abort()
+            pytest.fail("the call did not give up after its 0.2 s timeout (aborted after 10 s)")
+        time.sleep(0.01)
     waited = time.monotonic() - start
     assert group[0].gave_up() == WAITED_FOR_RANK_1, "a timed-out call was not marked where it stood"
     assert 0.2 <= waited < 5, f"the call waited {waited:.2f} s for a 0.2 s timeout"
