@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fused_norm import add_rms_norm_ref, weigh
+from kernels.fused_norm import add_residual, add_rms_norm_ref, store_norm
 from kernels.tiling import block_rows, cast, num_warps_for
 
 POLL_EVERY = tl.constexpr(1024)   # flag reads between polls of the abort word and the clock
@@ -139,12 +139,8 @@ def _all_reduce_kernel(
                                cache_modifier=".cg").to(tl.float32)
         s = cast(acc, dtype)
         if NORM:   # as fused_norm's kernel with a residual: s rounded, plus the residual, rounded, normalized
-            s = cast(s.to(tl.float32) + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32), dtype)
-            tl.store(res_out_ptr + offs, s, mask=mask)
-            xf = s.to(tl.float32)
-            inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=1, keep_dims=True) / hidden + eps)
-            tl.store(out_ptr + offs, weigh(xf * inv_rms, tl.load(w_ptr + col, mask=col_ok), PLUS_ONE, dtype),
-                     mask=mask)
+            xf = add_residual(s.to(tl.float32), res_ptr, res_out_ptr, offs, mask)
+            store_norm(xf, w_ptr, out_ptr, offs, mask, col, col_ok, hidden, eps, PLUS_ONE)
         else:
             tl.store(out_ptr + offs, s, mask=mask)
 

@@ -79,11 +79,25 @@ def _rms_norm_kernel(
         inv_rms = tl.rsqrt(tl.sum(x * x, axis=1, keep_dims=True) / hidden + eps)
         x = weigh(x * inv_rms, tl.load(pre_w_ptr + col, mask=col_ok), PLUS_ONE, dtype).to(tl.float32)
     if HAS_RES:
-        x = cast(x + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32), dtype)
-        tl.store(res_out_ptr + offs, x, mask=mask)
-        x = x.to(tl.float32)
+        x = add_residual(x, res_ptr, res_out_ptr, offs, mask)
+    store_norm(x, w_ptr, out_ptr, offs, mask, col, col_ok, hidden, eps, PLUS_ONE)
+
+
+@triton.jit
+def add_residual(x, res_ptr, res_out_ptr, offs, mask):
+    """x [R, C] float32 plus the residual at offs, rounded to res_out's dtype and stored there; returned in float32.
+    Also the tail of the all-reduce's NORM (kernels/all_reduce.py), which must round as this kernel does."""
+    s = cast(x + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32), res_out_ptr.dtype.element_ty)
+    tl.store(res_out_ptr + offs, s, mask=mask)
+    return s.to(tl.float32)
+
+
+@triton.jit
+def store_norm(x, w_ptr, out_ptr, offs, mask, col, col_ok, hidden, eps, PLUS_ONE: tl.constexpr):
+    """RMSNorm of the float32 rows x [R, C] (C masked to hidden by col_ok) times the weight, stored at offs."""
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=1, keep_dims=True) / hidden + eps)
-    tl.store(out_ptr + offs, weigh(x * inv_rms, tl.load(w_ptr + col, mask=col_ok), PLUS_ONE, dtype), mask=mask)
+    tl.store(out_ptr + offs, weigh(x * inv_rms, tl.load(w_ptr + col, mask=col_ok), PLUS_ONE,
+                                   out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check(x, weight, residual=None, pre_weight=None, out=None, residual_out=None):
