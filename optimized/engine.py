@@ -135,7 +135,7 @@ class Engine:
         self._check_open()
         requests = prepare_requests(self.config, self.tokenizer, self.max_model_len, prompts, sampling_params,
                                     chunk_sizes)
-        seqs = [Sequence(-1, r.prompt_token_ids, r.params, r.chunk_sizes) for r in requests]
+        seqs = [Sequence.from_request(r) for r in requests]
         for i, seq in enumerate(seqs):   # the scheduler's own check, for the whole batch before any is added
             self.scheduler.check_fits(seq, name=f"prompt {i}")
         return seqs

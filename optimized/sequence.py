@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import itertools
 
-from chunkwise.requests import expand_chunk_sizes
+from chunkwise.requests import Request, expand_chunk_sizes
 from chunkwise.sampling import SamplingParams
 from chunkwise.tokenizer import all_ints, is_int
 
@@ -36,6 +36,19 @@ class Sequence:
             raise ValueError(f"sequence {seq_id}: prompt token {i} is {t!r}, not a token id (an int >= 0)")
         if chunk_sizes is not None:   # the requests' own check (an explicit list here)
             chunk_sizes = expand_chunk_sizes(list(chunk_sizes), len(prompt_token_ids), seq_id)
+        self._start(seq_id, prompt_token_ids, sampling_params, chunk_sizes)
+
+    @classmethod
+    def from_request(cls, request: Request) -> Sequence:
+        """A new sequence (id -1 until it is submitted) of a request from `prepare_requests`, which checked its
+        tokens and chunk sizes into lists of its own: taken as they are. Checking a prompt of thousands of ids
+        again cost as much host time as the rest of its admission."""
+        seq = cls.__new__(cls)
+        seq._start(-1, request.prompt_token_ids, request.params, request.chunk_sizes)
+        return seq
+
+    def _start(self, seq_id: int, prompt_token_ids: list[int], sampling_params: SamplingParams | None,
+               chunk_sizes: list[int] | None) -> None:
         self.seq_id = seq_id
         self.arrival = next(_arrivals)    # order of creation: "newest" for preemption is the largest
         self.prompt_token_ids = prompt_token_ids

@@ -25,6 +25,8 @@ def solo(engine):
     ([], None, "prompt 0 is empty"),
     ([3, 384, 5], None, "token id 384"),
     ([3, -1, 5], None, "token id -1"),
+    ([3, 2 ** 63, 5], None, "token id 9223372036854775808"),   # past int64: no bound check may overflow
+    ([3, np.int64(-2), 5], None, "token id -2"),
     ([3, True, 5], None, "prompt 0 holds True, which is not an integer token id"),
     ([3, 4.0, 5], None, "prompt 0 holds 4.0, which is not an integer token id"),
     ([3, 4, 5], [3, 0], "chunk size 0"),
@@ -51,6 +53,7 @@ def test_bad_engine_arguments_raise_value_error(ckpt, kw, match):
 def test_numpy_integer_token_ids_are_plain_token_ids(engine, solo):
     outs = engine.generate([[np.int64(t) for t in PROMPTS[0]], np.asarray(PROMPTS[1], np.int32)], GREEDY)
     assert [o.token_ids for o in outs] == solo[:2]
+    assert {type(t) for o in outs for t in o.prompt_token_ids} == {int}
 
 
 def test_failed_request_leaves_other_requests_unchanged(engine, solo):
