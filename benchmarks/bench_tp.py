@@ -252,7 +252,7 @@ def test_engine_throughput(benchmark, ckpt, setup, label, tp, custom):
             r["speedup"] = r["tokens_per_s"] / one["tokens_per_s"]
             r["efficiency"] = r["speedup"] / tp
             r["decode_step_speedup"] = one["decode_step_ms"] / r["decode_step_ms"]
-            if comm and name == "scaled":
+            if "run_comm_share" in r:
                 r["speedup_without_communication"] = speedup_without_communication(r["speedup"],
                                                                                    r["run_comm_share"])
             if r["comm_calls_per_step"]:

@@ -83,7 +83,7 @@ def encode_prompts(prompts, tokenizer, cfg: ModelConfig) -> list[list[int]]:
         # One pass over the types at C speed (prompts run to many thousands of ids): a list of plain ints is
         # used as it is; numpy ints become plain ints; anything else is refused by name.
         if not set(map(type, ids)) <= {int}:
-            if not all(map(is_int, ids)):
+            if not all_ints(ids):
                 bad = next(t for t in ids if not is_int(t))
                 raise ValueError(f"prompt {i} holds {bad!r}, which is not an integer token id")
             ids = list(map(int, ids))

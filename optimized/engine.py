@@ -68,7 +68,7 @@ class _Step(NamedTuple):
     @property
     def can_overlap(self) -> bool:
         """Its tokens can feed the next step on the device: greedy, and no logprobs to compute from its logits."""
-        return not any(s.sampling_params.needs_logits for s in self.launched.seqs)
+        return not self.launched.needs_logits
 
 
 class Engine:

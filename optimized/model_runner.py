@@ -67,9 +67,10 @@ class HostStep:
     cascade: CascadeGroups | None = None   # the decodes' shared splits (host tensors)
     table_updates: np.ndarray | None = None   # int64 [3, U]: BlockTables writes of this step (rows, cols, pages)
     table_rows: int = 0                       # rows of the block table after them
-    # Under tensor parallelism, whether a row samples from the logits or asks for logprobs: only then are the
-    # logits gathered whole (each rank's argmax is enough for greedy tokens).
-    gather_logits: bool = False
+    # Whether a row samples from the logits or asks for logprobs (SamplingParams.needs_logits): only then does
+    # the host read the logits (so the step cannot overlap the next), and under tensor parallelism only then are
+    # they gathered whole (each rank's argmax is enough for greedy tokens).
+    needs_logits: bool = False
     # Tokens still pending (ids -1 here): their rows in the flat batch, and the rows of the last launched
     # step's sampled tokens that hold them.
     pending: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))       # int64 [M]
@@ -85,6 +86,7 @@ class Launched:
                                   # None under tensor parallelism when no row samples from them (see HostStep)
     host_tokens: torch.Tensor     # int64 [N], argmax of each row (pinned on GPU)
     ready: torch.cuda.Event | None
+    needs_logits: bool            # HostStep's: a row's token or logprobs come from the logits on the host
 
 
 def _synthetic_step(chunks: list[int], num_decodes: int) -> HostStep:
@@ -232,8 +234,7 @@ class ModelRunner:
                             ([0], ends[:len(prefill)])).astype(np.int32), num_prefill=len(prefill),
                         cascade=self._cascade(rows[len(prefill):], start[len(prefill):] + 1),
                         pending=(ends - 1)[pending], pending_src=src,
-                        gather_logits=self.model.tp is not None and any(
-                            s.sampling_params.needs_logits for s, _, keep, _ in entries if keep),
+                        needs_logits=any(s.sampling_params.needs_logits for s, _, keep, _ in entries if keep),
                         table_updates=self.tables.updates, table_rows=self.tables.table.shape[0])
         return host, [e[0] for e in entries if e[2]]
 
@@ -309,7 +310,7 @@ class ModelRunner:
         # Only greedy tokens can feed the next step before `sample`: a drawn token exists only after it.
         self.last_tokens = tokens
         self.last_rows = {s.seq_id: i for i, s in enumerate(sampled) if s.sampling_params.greedy}
-        return Launched(sampled, logits, host_tokens, ready)
+        return Launched(sampled, logits, host_tokens, ready, host.needs_logits)
 
     @torch.inference_mode()
     def run_host(self, host: HostStep) -> None:
@@ -322,15 +323,15 @@ class ModelRunner:
     def _logits_and_tokens(self, host: HostStep) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(logits [N, vocab] or None, greedy tokens int64 [N]) of a prepared step. Under tensor parallelism the
         forward leaves each rank its vocabulary slice; the tokens come from the slices' maxima, and the logits
-        are gathered whole only when the step samples from them (HostStep.gather_logits): gathering [N, vocab]
+        are gathered whole only when the step samples from them (HostStep.needs_logits): gathering [N, vocab]
         to every rank took about 3% of a 256-row decode step of a 128k vocabulary on two H200s."""
         logits, tokens = self.forward(host)
-        tp = self.model.tp
+        tp = self.tp
         if tp is None:
             return logits, torch.argmax(logits, dim=-1)
         if tokens is None:
             tokens = tp.argmax_logits(logits)
-        return (tp.gather_logits(logits) if host.gather_logits else None), tokens
+        return (tp.gather_logits(logits) if host.needs_logits else None), tokens
 
     def forward(self, host: HostStep) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits, greedy tokens or None) of a prepared step: a CUDA graph replay for decode-only steps that fit
@@ -426,7 +427,7 @@ class ModelRunner:
         tensor parallelism, their greedy tokens, so that a greedy step's replay leaves the host no collective to
         issue after it (only a step that samples gathers its logits eagerly, through CollectiveGuard)."""
         logits = self.model.forward(inp, self.kv_caches)
-        return logits, (self.model.tp.argmax_logits(logits) if self.model.tp is not None else None)
+        return logits, (self.tp.argmax_logits(logits) if self.tp is not None else None)
 
     def _stage(self, host: HostStep, d: int) -> int:
         """Copies a decode-only step of d rows into the static inputs of the smallest bucket that holds it, and
@@ -470,7 +471,7 @@ class ModelRunner:
         """Decode-only step through its bucket's graph (the cascade one for a cascade step): its logits and, under
         tensor parallelism, tokens; the padding rows' are dropped."""
         graph, logits, tokens = self.graphs[host.cascade is not None, self._stage(host, d)]
-        with self.model.tp.issuing() if self.model.tp is not None else nullcontext():   # its NCCL kernels
+        with self.tp.issuing() if self.tp is not None else nullcontext():   # its NCCL kernels
             graph.replay()
         return logits[:d], None if tokens is None else tokens[:d]
 

@@ -151,7 +151,7 @@ def test_no_collective_is_issued_after_the_watchers_abort():
     t.start()
     while not events:
         time.sleep(0.01)
-    guard.stop("a worker died", lambda: events.append("abort"))
+    guard.stop("a worker died", lambda: events.append("abort"), wait_s=10)   # far past the 0.3 s enqueue
     t.join()
     assert events == ["enqueue starts", "enqueue ends", "abort"]
     for collective in (lambda: tp.all_reduce(torch.ones(2)), lambda: tp.all_gather(torch.ones(2)), lambda: tp.min(3),
