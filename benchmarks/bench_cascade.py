@@ -24,8 +24,8 @@ import torch
 from benchmarks.bench_engine import COMPILED, QWEN3_0_6B_SHAPE, _install_compile_counter
 from benchmarks.roofline import ModelCost, measure_ceilings, step_seconds
 from chunkwise.checkpoints import tiny_checkpoint
-from chunkwise.config import ModelConfig
-from optimized import Engine, SamplingParams
+from chunkwise.model_config import ModelConfig
+from chunkwise.engine import Engine, SamplingParams
 
 pytestmark = pytest.mark.gpu
 SHARED, UNIQUE, OUTPUT, REQUESTS = 4096, (100, 500), 256, 256

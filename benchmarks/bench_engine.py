@@ -9,12 +9,12 @@ counts the output tokens the requests asked for):
 Per workload:
   roofline     the ideal engine's time (benchmarks/roofline.py) from copy bandwidth and bf16 matmul rate
                measured first in this process; every engine is reported as a percentage of it.
-  optimized    optimized.Engine: construction (its own warm-up included), then a first run on prompts of
+  optimized    chunkwise.Engine: construction (its own warm-up included), then a first run on prompts of
                the same shape but another seed (the first workload a user runs), then the timed run.
                Both runs are asserted to hit no prefix-cache page, and the timed run to compile no
                Triton kernel (every specialisation it uses was compiled before it).
-  deterministic  optimized.Engine(deterministic=True), after a first run; its ratio to the default mode.
-  sync_scheduling  optimized.Engine(async_scheduling=False), after a first run: the default mode without
+  deterministic  chunkwise.Engine(deterministic=True), after a first run; its ratio to the default mode.
+  sync_scheduling  chunkwise.Engine(async_scheduling=False), after a first run: the default mode without
                overlap scheduling (each step postprocessed before the next is scheduled); the default's
                ratio to it.
   hf_generate  HF `generate`, greedy, batched with left padding, on the first requests (see HF_REQUESTS);
@@ -40,8 +40,8 @@ import torch
 
 from benchmarks.roofline import ModelCost, measure_ceilings, workload_roofline
 from chunkwise.checkpoints import tiny_checkpoint
-from chunkwise.config import ModelConfig
-from optimized import Engine, SamplingParams
+from chunkwise.model_config import ModelConfig
+from chunkwise.engine import Engine, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -303,7 +303,7 @@ def kernels_per_layer(eng: Engine) -> float:
     """GPU kernels an eager decode forward of 64 sequences launches, per layer (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from optimized.model_runner import _synthetic_step
+    from chunkwise.engine.model_runner import _synthetic_step
     runner = eng.runner
     inp = runner._upload(_synthetic_step([], 64))
     with torch.inference_mode():

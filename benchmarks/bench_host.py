@@ -1,4 +1,4 @@
-"""Host-side step overhead of optimized.Engine: the CPU tier of the benchmarks (runs on any machine).
+"""Host-side step overhead of chunkwise.Engine: the CPU tier of the benchmarks (runs on any machine).
 
 The model's forward is replaced by random logits, so a step is only the host's work: scheduling, page
 bookkeeping, building the step's tensors, sampling and appending tokens. That is the time overlap
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optimized import Engine, SamplingParams
+from chunkwise.engine import Engine, SamplingParams
 
 GROUP = "host-side step overhead, forward stubbed out (not a performance figure)"
 NUM_SEQS, PROMPT_LEN, MAX_MODEL_LEN = 64, 48, 1024

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from kernels import paged_attention, split_kv_decode
-from kernels.split_kv import DEFAULT_SPLIT_SIZE, num_splits_for, split_workspace
-from kernels.testing import query_start_loc
+from chunkwise.kernels import paged_attention, split_kv_decode
+from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE, num_splits_for, split_workspace
+from chunkwise.kernels.testing import query_start_loc
 
 pytestmark = pytest.mark.gpu
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
@@ -59,7 +59,7 @@ def build(case, gen):
         table[s, :n] = order[start:start + n]
         start += n
     q = torch.randn(sum(c for _, c in case.seqs), HEADS, HEAD_DIM, device="cuda", generator=gen, dtype=DTYPE)
-    return dict(k_cache=k_cache, v_cache=v_cache, block_tables=table, q=q,
+    return dict(k_cache=k_cache, v_cache=v_cache, page_tables=table, q=q,
                 seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
                 qsl=query_start_loc([c for _, c in case.seqs], "cuda"))
 
@@ -69,10 +69,10 @@ def ours(t, path):
     if path == "split":
         # Scratch made once and reused, as an engine step shares it between its layers.
         workspace = split_workspace(t["q"].shape[0], HEADS, KV_HEADS, HEAD_DIM,
-                                    num_splits_for(t["block_tables"].shape[1], PAGE, DEFAULT_SPLIT_SIZE), "cuda")
-        return lambda: split_kv_decode(t["q"], t["k_cache"], t["v_cache"], t["block_tables"], t["seq_lens"],
+                                    num_splits_for(t["page_tables"].shape[1], PAGE, DEFAULT_SPLIT_SIZE), "cuda")
+        return lambda: split_kv_decode(t["q"], t["k_cache"], t["v_cache"], t["page_tables"], t["seq_lens"],
                                        SCALE, out=out, workspace=workspace)
-    return lambda: paged_attention(t["q"], t["k_cache"], t["v_cache"], t["block_tables"], t["seq_lens"], t["qsl"],
+    return lambda: paged_attention(t["q"], t["k_cache"], t["v_cache"], t["page_tables"], t["seq_lens"], t["qsl"],
                                    SCALE, out=out)
 
 
@@ -83,7 +83,7 @@ def sdpa(case, t):
     b = len(case.seqs)
     length = case.seqs[0][0] + case.seqs[0][1]
     n_new = case.seqs[0][1]
-    pages = t["block_tables"].long()[:, :-(-length // PAGE)]
+    pages = t["page_tables"].long()[:, :-(-length // PAGE)]
 
     def contiguous(cache):
         return cache[pages].reshape(b, -1, KV_HEADS, HEAD_DIM)[:, :length].transpose(1, 2).contiguous()

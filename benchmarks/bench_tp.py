@@ -45,10 +45,10 @@ import torch
 
 from benchmarks.bench_engine import COMPILED, SPECS, Spec, _install_compile_counter, make_workload, run_engine
 from benchmarks.roofline import ModelCost, measure_ceilings, workload_roofline
-from chunkwise.cache import cache_root, cached_dir
-from chunkwise.config import ModelConfig
+from chunkwise.checkpoint_cache import cache_root, cached_dir
+from chunkwise.model_config import ModelConfig
 from chunkwise.weights import INDEX_FILE, expected_shapes
-from optimized import Engine, SamplingParams
+from chunkwise.engine import Engine, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
 

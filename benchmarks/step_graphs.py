@@ -15,8 +15,8 @@ import triton.testing
 
 from benchmarks.bench_engine import QWEN3_0_6B_SHAPE
 from chunkwise.checkpoints import tiny_checkpoint
-from optimized import Engine
-from optimized.model_runner import _synthetic_step
+from chunkwise.engine import Engine
+from chunkwise.engine.model_runner import _synthetic_step
 
 STEPS = {   # name: (prefill chunk lengths, decodes)
     "prefill 8192": ([8192], 0),

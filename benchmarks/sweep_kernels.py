@@ -19,9 +19,9 @@ SPLIT = [(64, 4, 2, 512), (64, 4, 3, 512), (32, 4, 2, 512), (128, 4, 2, 512), (1
          (64, 4, 4, 512), (64, 4, 2, 256), (64, 4, 2, 1024), (128, 4, 3, 1024), (32, 2, 3, 256)]
 
 
-# kernels/__init__.py re-exports functions of the same names, so fetch the modules themselves.
-pa = importlib.import_module("kernels.paged_attention")
-sk = importlib.import_module("kernels.split_kv")
+# chunkwise/kernels/__init__.py re-exports functions of the same names, so fetch the modules themselves.
+pa = importlib.import_module("chunkwise.kernels.paged_attention")
+sk = importlib.import_module("chunkwise.kernels.split_kv")
 
 
 def main():
@@ -46,7 +46,7 @@ def main():
             # BLOCK_H stays the default's (the group's heads padded for tl.dot); the rest is swept.
             sk.split_tile_config = lambda head_dim, group, c=(block_n, warps, stages): (
                 default_split(head_dim, group)[0], *c)
-            q, args = t["q"], (t["k_cache"], t["v_cache"], t["block_tables"], t["seq_lens"], SCALE)
+            q, args = t["q"], (t["k_cache"], t["v_cache"], t["page_tables"], t["seq_lens"], SCALE)
             fn = lambda: sk.split_kv_decode(q, *args, split_size=split_size)  # noqa: E731
             diff = (fn().float() - reference.float()).abs().max().item()
             ms = median_ms(fn)

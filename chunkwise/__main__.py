@@ -1,4 +1,4 @@
-"""Generate on a checkpoint through optimized.Engine and print it beside reference.Engine's output.
+"""Generate on a checkpoint through chunkwise.Engine and print it beside chunkwise.reference.Engine's output.
 
 Errors are one line on stderr and a non-zero exit status (--traceback shows the whole trace).
 """
@@ -108,7 +108,7 @@ def run_engine(kind: str, args, params: SamplingParams, prompt=None):
         prompt, note = choose_prompt(args, engine)
         if note:
             print(note)
-    if kind == "optimized":
+    if kind == "chunkwise.engine":
         out = engine.generate([prompt], params, chunk_sizes=args.chunk_size, use_tqdm=True)[0]
     else:
         # delay: no bar for a request refused at once, so its error stays one clean line
@@ -130,13 +130,13 @@ def report(kind: str, args, engine, prompt, out, load_s: float, gen_s: float) ->
 def run(args) -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
-    engine, prompt, out, load_s, gen_s = run_engine("optimized", args, params)
-    report("optimized", args, engine, prompt, out, load_s, gen_s)
+    engine, prompt, out, load_s, gen_s = run_engine("chunkwise.engine", args, params)
+    report("chunkwise.engine", args, engine, prompt, out, load_s, gen_s)
     if args.no_reference:
         return
     del engine   # its KV pool is no longer needed
-    ref_engine, _, ref, load_s, gen_s = run_engine("reference", args, params, prompt)
-    report("reference", args, ref_engine, prompt, ref, load_s, gen_s)
+    ref_engine, _, ref, load_s, gen_s = run_engine("chunkwise.reference", args, params, prompt)
+    report("chunkwise.reference", args, ref_engine, prompt, ref, load_s, gen_s)
     tokens, ref_tokens = out.token_ids, ref.token_ids
     first = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), None)
     if first is None and len(tokens) == len(ref_tokens):

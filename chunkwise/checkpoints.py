@@ -4,7 +4,7 @@
 `AutoModelForCausalLM.from_config` under a fixed seed and saves it with `save_pretrained`, so the tensor
 names and layouts come from transformers, not from this project. Directories are cached under
 $CHUNKWISE_CACHE (default ~/.cache/chunkwise), keyed by a hash of the arguments, through
-`chunkwise.cache.cached_dir` (the one build-once-and-rename logic, shared with the real checkpoints).
+`chunkwise.checkpoint_cache.cached_dir` (the one build-once-and-rename logic, shared with the real checkpoints).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from chunkwise import real_checkpoints
-from chunkwise.cache import cache_root, cached_dir
+from chunkwise.checkpoint_cache import cache_root, cached_dir
 
 TINY_NAMES = {"tiny-llama": "llama", "tiny-mistral": "mistral", "tiny-qwen2": "qwen2",
               "tiny-qwen3": "qwen3", "tiny-gemma3": "gemma3_text"}

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from chunkwise.checkpoints import resolve_model
-from chunkwise.config import ModelConfig
+from chunkwise.model_config import ModelConfig
 from chunkwise.tokenizer import is_int
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

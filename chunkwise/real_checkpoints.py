@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from chunkwise.cache import cache_root, cached_dir
-from chunkwise.config import ModelConfig
+from chunkwise.checkpoint_cache import cache_root, cached_dir
+from chunkwise.model_config import ModelConfig
 
 # Bump when the conversion's output changes, so directories written by an older version are rebuilt.
 _FORMAT_VERSION = 1

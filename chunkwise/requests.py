@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chunkwise.config import ModelConfig
+from chunkwise.model_config import ModelConfig
 from chunkwise.sampling import SamplingParams
 from chunkwise.tokenizer import encode_prompts, is_int, is_single_prompt
 

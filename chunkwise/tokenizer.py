@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from chunkwise.config import ModelConfig
+from chunkwise.model_config import ModelConfig
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from safetensors import SafetensorError, safe_open
 
-from chunkwise.config import ModelConfig
+from chunkwise.model_config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -53,8 +53,8 @@ def tiny_ckpt():
 
 @pytest.fixture(scope="session")
 def reference_engine():
-    """reference_engine(family, **overrides) -> a float32 CPU reference.Engine, loaded once per session."""
-    from reference import Engine
+    """reference_engine(family, **overrides) -> a float32 CPU chunkwise.reference.Engine, loaded once per session."""
+    from chunkwise.reference import Engine
 
     return _per_checkpoint(lambda path: Engine(path, dtype="float32", device="cpu"))
 

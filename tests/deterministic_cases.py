@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from optimized import Engine, SamplingParams
+from chunkwise.engine import Engine, SamplingParams
 
 
 @dataclass(frozen=True)

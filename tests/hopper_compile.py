@@ -23,9 +23,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from kernels import (cascade_decode, cascade_groups, cascade_item_size, paged_attention,  # noqa: E402
+from chunkwise.kernels import (cascade_decode, cascade_groups, cascade_item_size, paged_attention,  # noqa: E402
                      split_kv_decode)
-from kernels.testing import paginate, query_start_loc, random_kv  # noqa: E402
+from chunkwise.kernels.testing import paginate, query_start_loc, random_kv  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 HOPPER_SHARED_MEMORY = 227 * 1024
@@ -79,15 +79,15 @@ def cases():
     gen = torch.Generator().manual_seed(0)
     q, c = _batch(16, 8, 128, torch.bfloat16, [600, 40], gen)
     yield "paged_attention bf16 16q/8kv d128", lambda: paged_attention(
-        q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens, query_start_loc([1, 1]), 0.1)
+        q, c.k_cache, c.v_cache, c.page_tables, c.seq_lens, query_start_loc([1, 1]), 0.1)
     q2, c2 = _batch(8, 1, 256, torch.float32, [600, 40], gen)
     yield "split_kv_decode fp32 8q/1kv d256", lambda: split_kv_decode(
-        q2, c2.k_cache, c2.v_cache, c2.block_tables, c2.seq_lens, 0.1, sliding_window=512, split_size=512)
+        q2, c2.k_cache, c2.v_cache, c2.page_tables, c2.seq_lens, 0.1, sliding_window=512, split_size=512)
     # 40 sequences whose first 1024 positions are the same pages: two shared splits, items of the default size.
     shared = random_kv(1024, 8, 128, torch.bfloat16, gen)
     own = [random_kv(n, 8, 128, torch.bfloat16, gen) for n in range(100, 140)]
     c3 = paginate([(torch.cat([shared[0], k]), torch.cat([shared[1], v])) for k, v in own], 16, gen)
-    tables = c3.block_tables.clone()
+    tables = c3.page_tables.clone()
     tables[:, :1024 // 16] = tables[0, :1024 // 16]
     groups = cascade_groups(tables, c3.seq_lens, 16, 512, item_size=cascade_item_size(128, 2))
     assert groups.programs, "no shared split: the case would not launch the shared-split kernel"
@@ -97,7 +97,7 @@ def cases():
 
 
 def main():
-    importlib.import_module("kernels.paged_attention").shared_memory = lambda device: HOPPER_SHARED_MEMORY
+    importlib.import_module("chunkwise.kernels.paged_attention").shared_memory = lambda device: HOPPER_SHARED_MEMORY
     JITFunction.run = _catch
     for name, launch in cases():
         LAUNCHES.clear()

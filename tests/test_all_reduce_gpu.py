@@ -1,5 +1,5 @@
 """The custom all-reduce's kernel on one GPU, its ranks simulated: each rank's buffers are plain device tensors and
-each rank's call runs on its own stream, concurrently, as on separate GPUs (kernels/all_reduce.py).
+each rank's call runs on its own stream, concurrently, as on separate GPUs (chunkwise/kernels/all_reduce.py).
 
 Properties: every rank gets its twin's bits (a rank-order float32 sum; with the norm, `add_rms_norm` of that sum)
 over many calls with changing inputs and row counts, also queued back to back with no host wait (the alternating
@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from kernels import add_rms_norm
-from kernels.all_reduce import PeerBuffers, push_all_reduce, push_all_reduce_ref
+from chunkwise.kernels import add_rms_norm
+from chunkwise.kernels.all_reduce import PeerBuffers, push_all_reduce, push_all_reduce_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.correctness]
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import event, example, given, note, settings, strategies as st
 
 from chunkwise.checkpoints import tiny_checkpoint
-from optimized import Engine, SamplingParams
+from chunkwise.engine import Engine, SamplingParams
 
 # Shared heads (pages of 2 tokens) for prefix-cache hits; the longest needs 7 of the pool's 10 pages, so
 # two or three requests at once preempt.

@@ -7,9 +7,9 @@ from child_pytest import run_pytest
 
 from benchmarks.bench_tp import is_communication, random_checkpoint, speedup_without_communication
 from benchmarks.roofline import ModelCost
-from chunkwise.config import ModelConfig
+from chunkwise.model_config import ModelConfig
 from chunkwise.weights import INDEX_FILE, load_weights
-from optimized import Engine, SamplingParams
+from chunkwise.engine import Engine, SamplingParams
 
 SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,

@@ -1,4 +1,4 @@
-"""bf16 on CPU, where the kernels run in Triton's interpreter: optimized.Engine against reference.Engine, both
+"""bf16 on CPU, where the kernels run in Triton's interpreter: chunkwise.Engine against chunkwise.reference.Engine, both
 in bf16, under the low-precision tier's rule (tests/logprobs_close.py).
 
 The interpreter holds bf16 as raw uint16 bits; until the kernels upcast their bf16 operands, computed their
@@ -8,10 +8,10 @@ garbage from the first one.
 import pytest
 import torch
 
-import optimized
+import chunkwise.engine
 import reference
 from logprobs_close import MIN_AGREED_SHARE, TOP_K, check_logprobs_close
-from optimized import SamplingParams
+from chunkwise.engine import SamplingParams
 
 pytestmark = [pytest.mark.correctness,
               pytest.mark.skipif(torch.cuda.is_available(), reason="bf16 on a GPU is tests/test_parity_gpu.py's")]
@@ -23,9 +23,9 @@ MAX_TOKENS = 16
 
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-gemma3"])
 def test_bf16_greedy_tokens_equal_the_bf16_reference_until_a_near_tie(name, random_prompt):
-    ref = reference.Engine(name, dtype="bfloat16", device="cpu")
+    ref = chunkwise.reference.Engine(name, dtype="bfloat16", device="cpu")
     # Decodes of sequences past 16 tokens take split-KV and its merge; shorter ones the paged kernel.
-    opt = optimized.Engine(name, dtype="bfloat16", device="cpu", num_pages=64, split_kv_threshold=16)
+    opt = chunkwise.Engine(name, dtype="bfloat16", device="cpu", num_pages=64, split_kv_threshold=16)
     prompts = [random_prompt(n, opt.config.vocab_size, seed=i) for i, n in enumerate(LENGTHS)]
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_K)
 

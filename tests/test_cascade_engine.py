@@ -10,8 +10,8 @@ from hypothesis import example, given, settings, strategies as st
 import reference
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from chunkwise.checkpoints import tiny_checkpoint
-from kernels import CascadeGroups
-from optimized import Engine, SamplingParams
+from chunkwise.kernels import CascadeGroups
+from chunkwise.engine import Engine, SamplingParams
 
 pytestmark = pytest.mark.correctness
 SPLIT = 64          # small splits: a prefix of a few hundred tokens spans several
@@ -26,7 +26,7 @@ def ckpt():
 
 @pytest.fixture(scope="module")
 def ref(ckpt):
-    return reference.Engine(ckpt, max_model_len=MAX_MODEL_LEN)
+    return chunkwise.reference.Engine(ckpt, max_model_len=MAX_MODEL_LEN)
 
 
 def run(ckpt, prompts, page_size, chunks, cascade):

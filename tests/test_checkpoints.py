@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from chunkwise.cache import cached_dir
+from chunkwise.checkpoint_cache import cached_dir
 from chunkwise.checkpoints import resolve_model, tiny_checkpoint
-from chunkwise.config import ModelConfig
+from chunkwise.model_config import ModelConfig
 from chunkwise.sampling import SamplingParams
 from chunkwise.weights import expected_shapes, load_weights
 
@@ -70,7 +70,7 @@ REPO = Path(__file__).resolve().parents[1]
 SLOW_BUILD = """
 import sys, time
 from pathlib import Path
-from chunkwise.cache import cached_dir
+from chunkwise.checkpoint_cache import cached_dir
 
 def build(out):
     (out / "model.safetensors").write_bytes(b"half")

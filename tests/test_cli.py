@@ -11,8 +11,8 @@ from tqdm.auto import tqdm
 
 import chunkwise.__main__ as cli
 from chunkwise.checkpoints import REAL_NAMES, TINY_NAMES
-from chunkwise.config import ModelConfig
-import optimized.engine
+from chunkwise.model_config import ModelConfig
+import chunkwise.engine.llm_engine
 from chunkwise.engine_config import DTYPES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ def bars(monkeypatch):
             super().__init__(*a, **kw)
             made.append(self)
     monkeypatch.setattr(cli, "tqdm", Recorded)
-    monkeypatch.setattr(optimized.engine, "tqdm", Recorded)
+    monkeypatch.setattr(chunkwise.engine.llm_engine, "tqdm", Recorded)
     return made
 
 
@@ -37,7 +37,7 @@ def test_tiny_builtin_with_prompt_ids_runs_both_engines_and_counts_tokens(capsys
     out = capsys.readouterr().out
     assert "random" not in out and "identical: 4 tokens" in out
     assert out.count("load ") == 2 and out.count("+ generate") == 2      # times include loading
-    assert [(b.desc, b.n) for b in bars] == [("optimized.Engine.generate", 1), ("reference.Engine", 4)]
+    assert [(b.desc, b.n) for b in bars] == [("chunkwise.Engine.generate", 1), ("chunkwise.reference.Engine", 4)]
     assert bars[0].postfix == "4 tokens generated"
 
 
@@ -49,7 +49,7 @@ def test_tiny_builtin_without_prompt_takes_a_seeded_random_prompt_and_says_so(ca
     assert f"prompt: 16 random token ids (seed 3), as tiny-llama has no tokenizer: {ids}" in out
     assert cli.random_prompt(cfg, 3) == ids != cli.random_prompt(cfg, 4)
     assert not set(ids) & ({cfg.bos_token_id} | set(cfg.eos_token_ids))
-    assert "reference.Engine" not in out
+    assert "chunkwise.reference.Engine" not in out
 
 
 @pytest.mark.parametrize("argv,named", [

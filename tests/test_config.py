@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from chunkwise.checkpoints import tiny_config_dict
-from chunkwise.config import FULL, SLIDING, ModelConfig
+from chunkwise.model_config import FULL, SLIDING, ModelConfig
 
 pytestmark = pytest.mark.correctness
 

@@ -8,9 +8,9 @@ from hypothesis import example, given, settings, strategies as st
 
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from deterministic_cases import Arrival, Case, assert_bitwise, cases, run_case, solo_run
-from kernels import matmul, matmul_ref, paged_attention
-import optimized.model
-from optimized import Engine, SamplingParams
+from chunkwise.kernels import matmul, matmul_ref, paged_attention
+import chunkwise.engine.model
+from chunkwise.engine import Engine, SamplingParams
 
 PROMPT_LENS = [13, 6, 9, 70]   # the last one only in LONG
 MAX_TOKENS = 5
@@ -127,7 +127,7 @@ def test_attention_tiles_are_capped_at_128_rows_only_in_deterministic_mode(ckpt,
     def recording(*args, max_rows, **kwargs):
         seen.append(max_rows)
         return paged_attention(*args, max_rows=max_rows, **kwargs)
-    monkeypatch.setattr(optimized.model, "paged_attention", recording)
+    monkeypatch.setattr(chunkwise.engine.model, "paged_attention", recording)
     eng = Engine(ckpt, deterministic=deterministic, max_model_len=MAX_MODEL_LEN, split_kv_threshold=0)
     eng.generate(prompts[:2], SamplingParams(max_tokens=3))
     assert seen and set(seen) == {rows}

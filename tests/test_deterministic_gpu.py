@@ -8,7 +8,7 @@ from hypothesis import example, given, settings
 
 from chunkwise.checkpoints import tiny_checkpoint
 from deterministic_cases import Arrival, Case, assert_bitwise, cases, run_case, solo_run
-from kernels import matmul, matmul_ref
+from chunkwise.kernels import matmul, matmul_ref
 
 pytestmark = pytest.mark.gpu
 

@@ -1,9 +1,9 @@
-"""optimized.Engine's contract beyond parity: bad input, failure and abort isolation, streaming, seeded sampling."""
+"""chunkwise.Engine's contract beyond parity: bad input, failure and abort isolation, streaming, seeded sampling."""
 import numpy as np
 import pytest
 import torch
 
-from optimized import Engine, SamplingParams
+from chunkwise.engine import Engine, SamplingParams
 
 PROMPTS = [[5, 9, 14, 3, 22, 8, 17], [5, 9, 14, 3, 40, 41], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]]
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)

@@ -15,7 +15,7 @@ import reference
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from chunkwise.checkpoints import tiny_checkpoint
 from chunkwise.engine_config import REFERENCE_IGNORED, EngineConfig
-from optimized import Engine, SamplingParams
+from chunkwise.engine import Engine, SamplingParams
 
 PROMPTS = [[5, 9, 14, 3, 22, 8, 17], [5, 9, 14, 3, 40, 41], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70], [7, 7]]
 GREEDY = SamplingParams(max_tokens=5, ignore_eos=True)
@@ -87,12 +87,12 @@ def test_cuda_device_without_cuda_is_refused(ckpt):
 
 def test_reference_engine_validates_the_same_fields_and_ignores_the_paging_ones(ckpt):
     with pytest.raises(TypeError, match="num_pagse"):
-        reference.Engine(ckpt, num_pagse=4)
+        chunkwise.reference.Engine(ckpt, num_pagse=4)
     with pytest.raises(ValueError, match="page_size must be an integer >= 1, got 0"):
-        reference.Engine(ckpt, page_size=0)
+        chunkwise.reference.Engine(ckpt, page_size=0)
     assert set(REFERENCE_IGNORED) < set(EngineConfig.__dataclass_fields__)
-    paged = reference.Engine(ckpt, page_size=3, num_pages=7, split_size=64, tensor_parallel_size=2, max_model_len=64)
-    plain = reference.Engine(ckpt, max_model_len=64)
+    paged = chunkwise.reference.Engine(ckpt, page_size=3, num_pages=7, split_size=64, tensor_parallel_size=2, max_model_len=64)
+    plain = chunkwise.reference.Engine(ckpt, max_model_len=64)
     assert [o.token_ids for o in paged.generate(PROMPTS[:2], GREEDY)] == \
         [o.token_ids for o in plain.generate(PROMPTS[:2], GREEDY)]
 
@@ -194,7 +194,7 @@ class FaultyTraffic(RuleBasedStateMachine):
     @invariant()
     def pages_in_use_are_the_running_requests_pages(self):
         pool = self.engine.page_pool
-        held = {p for s in self.engine.scheduler.running for p in s.block_table}
+        held = {p for s in self.engine.scheduler.running for p in s.page_table}
         assert pool.num_pages - pool.num_free_pages == len(held)
 
     def teardown(self):

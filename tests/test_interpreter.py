@@ -1,4 +1,4 @@
-"""kernels.interpreter: Triton's interpreter patches `triton.language` once per launch, not once per helper
+"""chunkwise.kernels.interpreter: Triton's interpreter patches `triton.language` once per launch, not once per helper
 call, and computes exactly what it computed before."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tiling import INTERPRET, dot
-from kernels.interpreter import speed_up
+from chunkwise.kernels.tiling import INTERPRET, dot
+from chunkwise.kernels.interpreter import speed_up
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="the interpreter runs only without CUDA")
 

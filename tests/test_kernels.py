@@ -10,8 +10,8 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kernels import paged_attention, paged_attention_ref
-from kernels.testing import DTYPES, TOLERANCE, paginate, query_start_loc, random_kv, rising_scores
+from chunkwise.kernels import paged_attention, paged_attention_ref
+from chunkwise.kernels.testing import DTYPES, TOLERANCE, paginate, query_start_loc, random_kv, rising_scores
 
 pytestmark = pytest.mark.correctness
 # The properties worth most examples get three times the profile's count (ci: 30, thorough: 900).
@@ -27,7 +27,7 @@ def _run_batch(fn, cache, qs, q_lens, seq_lens, scale, window):
     out = torch.full_like(q, float("nan"))
     seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=q.device)
     qsl = query_start_loc(q_lens, q.device)
-    return fn(q, cache.k_cache, cache.v_cache, cache.block_tables, seq_lens, qsl, scale,
+    return fn(q, cache.k_cache, cache.v_cache, cache.page_tables, seq_lens, qsl, scale,
               sliding_window=window, out=out)
 
 
@@ -148,14 +148,14 @@ def _small_case():
     (dict(sliding_window=0), "sliding_window must be None or an int >= 1, got 0"),
     (dict(q=torch.randn(3, 3, 64)), "num_heads 3"),
     (dict(q=torch.randn(3, 4, 32)), "q \\(3, 4, 32\\)"),
-    (dict(block_tables=torch.zeros(1, 4, dtype=torch.int64)), "block_tables must be int32"),
+    (dict(page_tables=torch.zeros(1, 4, dtype=torch.int64)), "page_tables must be int32"),
     (dict(seq_lens=torch.tensor([10], dtype=torch.int64)), "seq_lens must be int32"),
     (dict(query_start_loc=torch.tensor([0, 1, 3], dtype=torch.int32)), "query_start_loc must be int32 \\[2\\]"),
     (dict(max_rows=64), "max_rows must be 128 or 256, got 64"),
 ])
 def test_paged_attention_rejects_bad_arguments_naming_them(change, match):
     q, cache, qsl = _small_case()
-    args = dict(q=q, k_cache=cache.k_cache, v_cache=cache.v_cache, block_tables=cache.block_tables,
+    args = dict(q=q, k_cache=cache.k_cache, v_cache=cache.v_cache, page_tables=cache.page_tables,
                 seq_lens=cache.seq_lens, query_start_loc=qsl, scale=0.125)
     args.update(change)
     # max_rows is the kernel's tiling, which its reference has none of
@@ -165,7 +165,7 @@ def test_paged_attention_rejects_bad_arguments_naming_them(change, match):
 
 
 def test_tiles_take_256_rows_only_where_shared_memory_holds_them():
-    pa = importlib.import_module("kernels.paged_attention")   # the package re-exports the function of that name
+    pa = importlib.import_module("chunkwise.kernels.paged_attention")   # the package re-exports the function of that name
     assert pa.shared_memory(torch.device("cpu")) == 0
     assert pa.tile_config(128, 2, torch.bfloat16, 0)[0] == 128
     assert pa.tile_config(128, 2, torch.bfloat16, 164 * 1024)[0] == 128   # A100: 256 rows not measured there

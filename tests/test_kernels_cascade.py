@@ -8,9 +8,9 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kernels import cascade_decode, cascade_decode_ref, cascade_groups, cascade_item_size, split_kv_decode
-from kernels.attention_tile import attend_ref
-from kernels.testing import DTYPES, TOLERANCE, PagedKV, random_kv
+from chunkwise.kernels import cascade_decode, cascade_decode_ref, cascade_groups, cascade_item_size, split_kv_decode
+from chunkwise.kernels.attention_tile import attend_ref
+from chunkwise.kernels.testing import DTYPES, TOLERANCE, PagedKV, random_kv
 
 pytestmark = pytest.mark.correctness
 # The tolerance test repeats what the bitwise test and split-KV's own reference test already pin; half the count.
@@ -67,7 +67,7 @@ def _page_keys(lengths, path, page_size):
 
 
 def _tables(lengths, paths, page_size, gen, extra_cols=1):
-    """Block tables (random page ids, random entries past each sequence's pages) and the page keys behind them."""
+    """Page tables (random page ids, random entries past each sequence's pages) and the page keys behind them."""
     keys = [_page_keys(lengths, p, page_size) for p in paths]
     distinct = list(dict.fromkeys(k for ks in keys for k in ks))
     ids = dict(zip(distinct, torch.randperm(len(distinct) + 3, generator=gen).tolist()))
@@ -102,7 +102,7 @@ def _build(spec, device):
 
 
 def _run(fn, cache, q, spec, groups):
-    return fn(q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, *([] if groups is None else [groups]),
+    return fn(q, cache.k_cache, cache.v_cache, cache.page_tables, cache.seq_lens, *([] if groups is None else [groups]),
               spec["head_dim"] ** -0.5, sliding_window=spec["window"], split_size=spec["split_size"],
               out=torch.full_like(q, float("nan")))
 
@@ -118,7 +118,7 @@ def _groups(cache, spec, device):
     """cascade_groups of a built batch on `device` with items of spec["item_size"] members (None: the default),
     launched on spec["programs"] programs when drawn."""
     item_size = spec["item_size"] or cascade_item_size(spec["head_dim"], spec["group"])
-    groups = cascade_groups(cache.block_tables.cpu(), cache.seq_lens.cpu(), spec["page_size"], spec["split_size"],
+    groups = cascade_groups(cache.page_tables.cpu(), cache.seq_lens.cpu(), spec["page_size"], spec["split_size"],
                             item_size=item_size).to(device)
     return groups if spec["programs"] is None else dataclasses.replace(groups, programs=spec["programs"])
 
@@ -225,7 +225,7 @@ def test_cascade_groups_shares_exactly_the_splits_whose_pages_all_members_hold(g
     lengths, paths = _segments(groups, order or range(sum(len(g[2]) for g in groups)))
     table, _ = _tables(lengths, paths, page_size, torch.Generator().manual_seed(0), extra_cols=4)
     seq_lens = [sum(lengths[s] for s in p) for p in paths]
-    # Entries past a sequence's pages must not count as shared: random ones, as a reused block-table row
+    # Entries past a sequence's pages must not count as shared: random ones, as a reused page-table row
     # holds, or zero padding (ragged lists), as the engine's tables start.
     own = [row[:-(-n // page_size)] for row, n in zip(table.tolist(), seq_lens)]
     tables = table.numpy() if stale else [row + [0] * 4 for row in own]
@@ -247,7 +247,7 @@ def test_cascade_groups_shares_exactly_the_splits_whose_pages_all_members_hold(g
 
 
 def test_cascade_groups_and_decode_reject_inconsistent_input(device):
-    with pytest.raises(ValueError, match="2 block tables but 1 seq_lens"):
+    with pytest.raises(ValueError, match="2 page tables but 1 seq_lens"):
         cascade_groups([[0], [0]], [3], 4, 64, item_size=4)
     with pytest.raises(ValueError, match="sequence 1: seq_len 9 must be >= 1 and fit its 2 pages of 4"):
         cascade_groups([[0, 1], [0, 2]], [8, 9], 4, 64, item_size=4)
@@ -260,12 +260,12 @@ def test_cascade_groups_and_decode_reject_inconsistent_input(device):
 
     spec = _spec([(128, (0, 0), [(None, 5), (None, 9)])])
     cache, q, _ = _build(spec, device)
-    groups = cascade_groups(cache.block_tables, cache.seq_lens, 16, 64, item_size=4).to(device)
-    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens)
+    groups = cascade_groups(cache.page_tables, cache.seq_lens, 16, 64, item_size=4).to(device)
+    args = (q, cache.k_cache, cache.v_cache, cache.page_tables, cache.seq_lens)
     with pytest.raises(ValueError, match="groups were made for split_size 64, not 128"):
         cascade_decode(*args, groups, 0.125, split_size=128)
     with pytest.raises(ValueError, match="groups cover 1 sequences, the batch has 2"):
-        first = cascade_groups(cache.block_tables[:1], cache.seq_lens[:1], 16, 64, item_size=4)
+        first = cascade_groups(cache.page_tables[:1], cache.seq_lens[:1], 16, 64, item_size=4)
         cascade_decode(*args, first.to(device), 0.125, split_size=64)
     with pytest.raises(TypeError, match="groups must be a CascadeGroups"):
         cascade_decode(*args, {"split": groups.split}, 0.125, split_size=64)

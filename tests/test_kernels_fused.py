@@ -13,10 +13,10 @@ import triton
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from kernels import (act_and_mul, act_and_mul_ref, add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref,
+from chunkwise.kernels import (act_and_mul, act_and_mul_ref, add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref,
                      rope_cos_sin, rope_store, rope_store_ref)
-from kernels.testing import DTYPES   # bf16 rounds as on GPU under the interpreter too (kernels.tiling.cast)
-from kernels.tiling import block_rows
+from chunkwise.kernels.testing import DTYPES   # bf16 rounds as on GPU under the interpreter too (chunkwise.kernels.tiling.cast)
+from chunkwise.kernels.tiling import block_rows
 
 pytestmark = pytest.mark.correctness
 

@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 import torch
 
-from kernels import (cascade_decode, cascade_groups, cascade_item_size, paged_attention, paged_attention_ref,
+from chunkwise.kernels import (cascade_decode, cascade_groups, cascade_item_size, paged_attention, paged_attention_ref,
                      split_kv_decode, split_kv_decode_ref)
-from kernels.testing import paginate, query_start_loc, random_kv
+from chunkwise.kernels.testing import paginate, query_start_loc, random_kv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.correctness]
 
@@ -27,7 +27,7 @@ def _rel_err(out, ref):
 
 def _attend(fn, cache, q, q_lens, seq_lens, scale, window=None):
     seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=q.device)
-    return fn(q, cache.k_cache, cache.v_cache, cache.block_tables, seq_lens, query_start_loc(q_lens, q.device),
+    return fn(q, cache.k_cache, cache.v_cache, cache.page_tables, seq_lens, query_start_loc(q_lens, q.device),
               scale, sliding_window=window, out=torch.full_like(q, float("nan")))
 
 
@@ -87,7 +87,7 @@ def test_split_kv_decode_matches_reference_and_single_pass_at_long_context(dtype
     lens = [16384, 9000, 513, 1]
     cache = paginate([random_kv(n, 8, 128, dtype, gen, "cuda") for n in lens], 16, gen)
     q = torch.randn(len(lens), 32, 128, generator=gen).to(dtype).cuda()
-    args = (cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, 128 ** -0.5)
+    args = (cache.k_cache, cache.v_cache, cache.page_tables, cache.seq_lens, 128 ** -0.5)
     out = split_kv_decode(q, *args, out=torch.full_like(q, float("nan")))
     ref = split_kv_decode_ref(q.float(), *args)
     single = paged_attention(q, *args[:4], query_start_loc([1] * len(lens), "cuda"), args[4])
@@ -101,12 +101,12 @@ def test_split_kv_decode_is_bitwise_invariant_at_long_context(dtype):
     kv = random_kv(20000, 8, 128, dtype, gen, "cuda")
     q = torch.randn(1, 32, 128, generator=gen).to(dtype).cuda()
     alone = paginate([kv], 16, gen)
-    alone_out = split_kv_decode(q, alone.k_cache, alone.v_cache, alone.block_tables, alone.seq_lens, 0.1)
+    alone_out = split_kv_decode(q, alone.k_cache, alone.v_cache, alone.page_tables, alone.seq_lens, 0.1)
     mates = [random_kv(n, 8, 128, dtype, gen, "cuda") for n in (7000, 3)]
     batch = paginate([mates[0], kv, mates[1]], 7, gen, extra_table_cols=300)
     q_b = torch.randn(3, 32, 128, generator=gen).to(dtype).cuda()
     q_b[1] = q[0]
-    out = split_kv_decode(q_b, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.1)
+    out = split_kv_decode(q_b, batch.k_cache, batch.v_cache, batch.page_tables, batch.seq_lens, 0.1)
     assert torch.equal(out[1:2], alone_out)
 
 
@@ -123,12 +123,12 @@ def test_split_kv_merge_is_race_free_and_cascade_is_bitwise_split_kv_at_producti
     table = torch.zeros(48, 512, dtype=torch.int32, device="cuda")
     lens = []
     for s, n in enumerate(suffix):
-        own = pool.block_tables[1 + s, :-(-n // 16)]
+        own = pool.page_tables[1 + s, :-(-n // 16)]
         if s < 40:   # the prefix's pages, then the sequence's own (its suffix starts on a page boundary)
-            table[s, :256 + len(own)] = torch.cat([pool.block_tables[0, :256], own])
+            table[s, :256 + len(own)] = torch.cat([pool.page_tables[0, :256], own])
             lens.append(4096 + n)
         else:        # no partner: a sequence of its own, 992 tokens (62 pages) before its suffix
-            mine = torch.cat([pool.block_tables[9 + s, :62], own])
+            mine = torch.cat([pool.page_tables[9 + s, :62], own])
             table[s, :len(mine)] = mine
             lens.append(992 + n)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")

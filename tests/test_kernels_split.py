@@ -4,9 +4,9 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kernels import paged_attention, split_kv_decode, split_kv_decode_ref
-from kernels.split_kv import num_splits_for, split_workspace
-from kernels.testing import DTYPES, TOLERANCE, paginate, query_start_loc, random_kv, rising_scores
+from chunkwise.kernels import paged_attention, split_kv_decode, split_kv_decode_ref
+from chunkwise.kernels.split_kv import num_splits_for, split_workspace
+from chunkwise.kernels.testing import DTYPES, TOLERANCE, paginate, query_start_loc, random_kv, rising_scores
 
 pytestmark = pytest.mark.correctness
 # The properties worth most examples get three times the profile's count (ci: 30, thorough: 900).
@@ -16,12 +16,12 @@ HEADS = [(4, 4), (8, 2), (14, 2), (4, 1), (5, 1)]
 
 
 def _decode(fn, cache, q, scale, window, **kw):
-    return fn(q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, scale, sliding_window=window,
+    return fn(q, cache.k_cache, cache.v_cache, cache.page_tables, cache.seq_lens, scale, sliding_window=window,
               out=torch.full_like(q, float("nan")), **kw)
 
 
 def _table_cols_past_the_end(seq_lens, page_size, split_size):
-    """Unused block-table columns that fill the table to a whole number of splits (at least one column) when
+    """Unused page-table columns that fill the table to a whole number of splits (at least one column) when
     page_size divides split_size: a split that reads past its end then reads poisoned pages inside the table,
     and an assertion fails, rather than reading memory past the table."""
     pages = max(-(-n // page_size) for n in seq_lens)
@@ -64,7 +64,7 @@ def test_split_kv_decode_matches_reference_and_single_pass(
 
     out = _decode(split_kv_decode, cache, q, scale, window, split_size=split_size)
     ref = _decode(split_kv_decode_ref, cache, q, scale, window, split_size=split_size)
-    single = paged_attention(q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens,
+    single = paged_attention(q, cache.k_cache, cache.v_cache, cache.page_tables, cache.seq_lens,
                              query_start_loc([1] * len(seq_lens), device), scale, sliding_window=window)
 
     assert not out.isnan().any()
@@ -75,7 +75,7 @@ def test_split_kv_decode_matches_reference_and_single_pass(
 @given(data=st.data())
 @MORE
 def test_split_kv_decode_is_bitwise_invariant_to_page_size_permutation_grid_and_batch(data, device):
-    """A sequence's bits alone and in a batch, under other page sizes and a wider block table: wider tables
+    """A sequence's bits alone and in a batch, under other page sizes and a wider page table: wider tables
     launch more (empty) split programs, and batch-mates that run longer or shorter finish their merges
     before or after it."""
     num_heads, num_kv_heads = data.draw(st.sampled_from(HEADS), label="heads")
@@ -151,11 +151,11 @@ def test_split_kv_decode_rejects_split_size_off_the_tile_grid():
     q = torch.randn(1, 2, 64)
     for fn in (split_kv_decode, split_kv_decode_ref):
         with pytest.raises(ValueError, match="split_size must be a positive multiple of 64, got 100"):
-            fn(q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, 0.125, split_size=100)
+            fn(q, cache.k_cache, cache.v_cache, cache.page_tables, cache.seq_lens, 0.125, split_size=100)
     for fn in (split_kv_decode, split_kv_decode_ref):
         with pytest.raises(ValueError, match="q has 2 rows but seq_lens has 1"):
-            fn(torch.randn(2, 2, 64), cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, 0.125)
-    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, 0.125)
+            fn(torch.randn(2, 2, 64), cache.k_cache, cache.v_cache, cache.page_tables, cache.seq_lens, 0.125)
+    args = (q, cache.k_cache, cache.v_cache, cache.page_tables, cache.seq_lens, 0.125)
     with pytest.raises(ValueError, match=r"workspace.partial_out must be contiguous torch.float32 \(1, 2, 1, 64\)"):
         split_kv_decode(*args, workspace=split_workspace(1, 2, 1, 64, 2, "cpu"))
     with pytest.raises(TypeError, match="workspace must be a SplitWorkspace"):

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import event, given, note, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import optimized.page_pool as page_pool_module
-from optimized.page_pool import PagePool, page_hash
-from optimized.sequence import Sequence
+import chunkwise.engine.page_pool as page_pool_module
+from chunkwise.engine.page_pool import PagePool, page_hash
+from chunkwise.engine.sequence import Sequence
 
 pytestmark = pytest.mark.correctness
 
@@ -23,7 +23,7 @@ def write_kv(bm, kv, seq, n):
     """Simulate a step computing n tokens of seq: fill their slots; returns the written page ids."""
     written = set()
     for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-        page_id = seq.block_table[pos // bm.page_size]
+        page_id = seq.page_table[pos // bm.page_size]
         kv[page_id][pos % bm.page_size] = tuple(seq.token_ids[:pos + 1])
         written.add(page_id)
     seq.num_computed_tokens += n
@@ -32,7 +32,7 @@ def write_kv(bm, kv, seq, n):
 
 def assert_kv_matches(bm, kv, seq):
     for pos in range(seq.num_computed_tokens):
-        got = kv[seq.block_table[pos // bm.page_size]][pos % bm.page_size]
+        got = kv[seq.page_table[pos // bm.page_size]][pos % bm.page_size]
         assert got == tuple(seq.token_ids[:pos + 1]), f"seq {seq.seq_id} position {pos} holds K/V of {got}"
 
 
@@ -60,11 +60,11 @@ class PagePoolMachine(RuleBasedStateMachine):
         seq = Sequence(self.next_id, self._draw_prompt(data))
         self.next_id += 1
         reused = self.bm.match_prefix(seq)
-        note(f"admit {seq.seq_id} {seq.token_ids}: reused {reused} tokens, pages {seq.block_table}")
+        note(f"admit {seq.seq_id} {seq.token_ids}: reused {reused} tokens, pages {seq.page_table}")
         event("admission reused cached pages" if reused else "admission reused nothing")
         assert reused == seq.num_computed_tokens == seq.num_cached_tokens
         assert reused % self.bm.page_size == 0 and reused < seq.num_tokens
-        assert len(seq.block_table) == reused // self.bm.page_size
+        assert len(seq.page_table) == reused // self.bm.page_size
         assert_kv_matches(self.bm, self.kv, seq)
         self.live[seq.seq_id] = seq
         self.pending[seq.seq_id] = 0
@@ -95,13 +95,13 @@ class PagePoolMachine(RuleBasedStateMachine):
         self._allocate(seq, n)
 
     def _allocate(self, seq, n):
-        in_use = {p for s in self.live.values() for p in s.block_table}
-        old = list(seq.block_table)
+        in_use = {p for s in self.live.values() for p in s.page_table}
+        old = list(seq.page_table)
         self.bm.allocate(seq, n)
-        new = seq.block_table[len(old):]
-        assert seq.block_table[:len(old)] == old
+        new = seq.page_table[len(old):]
+        assert seq.page_table[:len(old)] == old
         assert not set(new) & in_use, f"allocation handed out pages in use: {set(new) & in_use}"
-        assert len(seq.block_table) == -(-(seq.num_computed_tokens + n) // self.bm.page_size)
+        assert len(seq.page_table) == -(-(seq.num_computed_tokens + n) // self.bm.page_size)
         for p in new:
             self.kv[p] = [None] * self.bm.page_size   # a taken page's old K/V is garbage to its new owner
         self.pending[seq.seq_id] = n
@@ -128,7 +128,7 @@ class PagePoolMachine(RuleBasedStateMachine):
         seq = self.live.pop(data.draw(st.sampled_from(sorted(self.live))))
         del self.pending[seq.seq_id]
         self.bm.free(seq)
-        assert seq.block_table == [] and seq.num_computed_tokens == 0
+        assert seq.page_table == [] and seq.num_computed_tokens == 0
 
     @rule()
     def end_all(self):
@@ -145,10 +145,10 @@ class PagePoolMachine(RuleBasedStateMachine):
         free, evictable = list(bm.free_page_ids), list(bm.evictable)
         refs = [0] * bm.num_pages
         for seq in self.live.values():
-            assert len(set(seq.block_table)) == len(seq.block_table), f"page twice in {seq}"
-            for p in seq.block_table:
+            assert len(set(seq.page_table)) == len(seq.page_table), f"page twice in {seq}"
+            for p in seq.page_table:
                 refs[p] += 1
-        assert [p.ref_count for p in bm.pages] == refs, "ref counts differ from the block tables"
+        assert [p.ref_count for p in bm.pages] == refs, "ref counts differ from the page tables"
         in_use = {p for p, r in enumerate(refs) if r}
         assert len(set(free)) == len(free) and not set(free) & set(evictable)
         assert not (set(free) | set(evictable)) & in_use, "a page is both free and in use"
@@ -206,10 +206,10 @@ def test_live_sequences_share_cached_pages_with_reference_counts():
     bm = PagePool(8, 2)
     a = run_prompt(bm, 0, [1, 2, 3, 4, 5])
     b = Sequence(1, [1, 2, 3, 4, 9])
-    assert bm.match_prefix(b) == 4 and b.block_table == a.block_table[:2]
-    assert [bm.pages[p].ref_count for p in a.block_table] == [2, 2, 1]
+    assert bm.match_prefix(b) == 4 and b.page_table == a.page_table[:2]
+    assert [bm.pages[p].ref_count for p in a.page_table] == [2, 2, 1]
     bm.free(a)
-    assert [bm.pages[p].ref_count for p in b.block_table] == [1, 1]
+    assert [bm.pages[p].ref_count for p in b.page_table] == [1, 1]
     assert bm.num_free_pages == 8 - 2
 
 
@@ -224,13 +224,13 @@ def test_allocation_takes_free_pages_before_evicting_cached_ones():
 def test_eviction_is_least_recently_used_and_tail_pages_go_first():
     bm = PagePool(4, 1)
     old = run_prompt(bm, 0, [1, 2])
-    old_pages = list(old.block_table)
+    old_pages = list(old.page_table)
     bm.free(old)
     bm.free(run_prompt(bm, 1, [7, 8]))
     taker = Sequence(2, [9])
     bm.match_prefix(taker)
     bm.allocate(taker, 1)
-    assert taker.block_table == [old_pages[1]], "the oldest sequence's tail page is evicted first"
+    assert taker.page_table == [old_pages[1]], "the oldest sequence's tail page is evicted first"
     assert bm.match_prefix(Sequence(3, [1, 2, 3])) == 1
     assert bm.match_prefix(Sequence(4, [7, 8, 3])) == 2
 
@@ -252,7 +252,7 @@ def test_referenced_pages_are_never_evicted():
     assert bm.num_free_pages == 0 and not bm.can_allocate(Sequence(1, [4]), 1)
     with pytest.raises(ValueError, match="pages"):
         bm.allocate(Sequence(2, [4]), 1)
-    assert [bm.pages[p].ref_count for p in holder.block_table] == [1, 1, 1]
+    assert [bm.pages[p].ref_count for p in holder.page_table] == [1, 1, 1]
 
 
 def test_prefix_caching_off_never_reuses():

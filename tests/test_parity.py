@@ -1,4 +1,4 @@
-"""optimized.Engine against reference.Engine in float32 (the strict tier of DESIGN.md).
+"""chunkwise.Engine against chunkwise.reference.Engine in float32 (the strict tier of DESIGN.md).
 
 Hypothesis draws the family and a tiny configuration, a batch of prompts (some sharing prefixes, some
 repeating one page of tokens, some long enough for several KV tiles), chunk boundaries (some on tile, split
@@ -25,7 +25,7 @@ from parity_report import (assert_kv_close, assert_logprobs_match_reference, ass
 import reference
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from chunkwise.checkpoints import tiny_checkpoint
-from optimized import Engine, SamplingParams
+from chunkwise.engine import Engine, SamplingParams
 
 pytestmark = pytest.mark.correctness
 # The strict tier is float32 end to end: no TF32 in torch's matmuls on GPU (the kernels use IEEE dots).
@@ -34,7 +34,7 @@ torch.backends.cudnn.allow_tf32 = False
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3_text"]
 MAX_MODEL_LEN = 320
-# The kernels' float32 tiles for head_dim <= 128 (kernels/paged_attention.py tile_config, split_kv.py
+# The kernels' float32 tiles for head_dim <= 128 (chunkwise/kernels/paged_attention.py tile_config, split_kv.py
 # split_tile_config): 64 keys per KV tile in both, 64 query rows (64 // group tokens) per attention block.
 KV_TILE = 64
 QUERY_BLOCKS = [KV_TILE // group for group in (1, 2, 3)]
@@ -277,7 +277,7 @@ def test_greedy_tokens_and_cached_kv_match_reference(model: Model, w: Workload, 
     ckpt = model.checkpoint()
     params = [SamplingParams(max_tokens=m, ignore_eos=not greedy_stop) for m in w.max_tokens]
     eng = w.engine(ckpt)
-    ref = reference.Engine(ckpt, max_model_len=MAX_MODEL_LEN)
+    ref = chunkwise.reference.Engine(ckpt, max_model_len=MAX_MODEL_LEN)
     label = f"{model} {w}"
     outs, expected_cached = run_streaming(eng, w, params)
     want = [o.token_ids for o in ref.generate([list(p) for p in w.prompts], params)]
@@ -316,7 +316,7 @@ def test_seeded_sampling_tokens_and_logprobs_match_reference(model: Model, promp
     ckpt = model.checkpoint()
     eng = Engine(ckpt, page_size=8, num_pages=128, max_model_len=MAX_MODEL_LEN, split_kv_threshold=0,
                  split_size=64)
-    ref = reference.Engine(ckpt, max_model_len=MAX_MODEL_LEN)
+    ref = chunkwise.reference.Engine(ckpt, max_model_len=MAX_MODEL_LEN)
     label = f"{model} {params}"
     outs = eng.generate([list(p) for p in prompts], params)
     want = ref.generate([list(p) for p in prompts], params)
@@ -368,6 +368,6 @@ def test_prefix_cache_reuses_exactly_the_full_pages_shared_with_an_earlier_reque
     assert a.num_cached_tokens == 0
     assert b.num_cached_tokens == common // page_size * page_size, \
         f"{model}: page {page_size}, shared {common} tokens, cached {b.num_cached_tokens}"
-    ref = reference.Engine(model.checkpoint(), max_model_len=MAX_MODEL_LEN)
+    ref = chunkwise.reference.Engine(model.checkpoint(), max_model_len=MAX_MODEL_LEN)
     assert_same_tokens(ref, [second], [b.token_ids], [ref.generate([second], params)[0].token_ids],
                        f"{model} cached {b.num_cached_tokens}")

@@ -1,4 +1,4 @@
-"""The low-precision tier of DESIGN.md on the GPU: optimized.Engine against reference.Engine in bf16.
+"""The low-precision tier of DESIGN.md on the GPU: chunkwise.Engine against chunkwise.reference.Engine in bf16.
 
 Tokens must agree up to the first divergence; there each side's token must be in the other's top-k and
 the reference must have been nearly undecided between them (vLLM's check_logprobs_close rule, in
@@ -12,7 +12,7 @@ import torch
 import reference
 from chunkwise.checkpoints import tiny_checkpoint
 from logprobs_close import MIN_AGREED_SHARE, TOP_K, check_logprobs_close
-from optimized import Engine, SamplingParams
+from chunkwise.engine import Engine, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.correctness]
 
@@ -37,7 +37,7 @@ def test_bf16_tokens_agree_until_a_near_tie(name):
     params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=TOP_K)
     opt = Engine(ckpt, dtype="bfloat16", page_size=16, max_model_len=512, num_pages=256).generate(
         prompts, params, chunk_sizes=chunks)
-    ref = reference.Engine(ckpt, dtype="bfloat16", max_model_len=512).generate(prompts, params)
+    ref = chunkwise.reference.Engine(ckpt, dtype="bfloat16", max_model_len=512).generate(prompts, params)
     agreed = [check_logprobs_close(o, r, f"{name} request {i}") for i, (o, r) in enumerate(zip(opt, ref))]
     print(f"{name}: tokens agreed before a divergence, per request: {agreed} of {params.max_tokens}")
     # H200, triton 3.6 (2026-11-22): the fewest agreed was tiny-qwen3's [7, 24, 0, 24]; the floor is 32 of 96.

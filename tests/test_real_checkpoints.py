@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from chunkwise.cache import MARKER, cached_dir
+from chunkwise.checkpoint_cache import MARKER, cached_dir
 from chunkwise.checkpoints import resolve_model
-from chunkwise.config import ModelConfig
+from chunkwise.model_config import ModelConfig
 from chunkwise.real_checkpoints import CHECKPOINTS, Part, RealCheckpoint, assemble, checkpoint, part_paths, prepare
 from chunkwise.sampling import SamplingParams
 
@@ -43,7 +43,7 @@ LOGPROB_ATOL = 1e-3
 
 @dataclass(frozen=True)
 class EngineCase:
-    engine: str                     # the module whose Engine runs: "reference" or "optimized"
+    engine: str                     # the module whose Engine runs: "chunkwise.reference" or "chunkwise.engine"
     page_size: int = 16
     chunk_seed: int | None = None   # None: the prompt in one chunk; else random chunk boundaries
     new_tokens: int = NEW_TOKENS    # compared with the first of HF's NEW_TOKENS
@@ -62,7 +62,7 @@ class EngineCase:
 # The optimized engine with an odd page size and random chunk boundaries: the chunks and pages must not show.
 # Its 12 tokens cross two page boundaries after the prompt's chunks; every token costs seconds in Triton's
 # interpreter on these models, and the reference covers the whole 32.
-ENGINE_CASES = [EngineCase("reference"), EngineCase("optimized", page_size=7, chunk_seed=1, new_tokens=12)]
+ENGINE_CASES = [EngineCase("chunkwise.reference"), EngineCase("chunkwise.engine", page_size=7, chunk_seed=1, new_tokens=12)]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""reference.Engine's interface: sampling, stopping, logprobs, ignored knobs, and the errors it raises."""
+"""chunkwise.reference.Engine's interface: sampling, stopping, logprobs, ignored knobs, and the errors it raises."""
 import importlib.util
 import json
 import shutil
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from chunkwise.checkpoints import tiny_checkpoint
-from reference import Engine, SamplingParams
+from chunkwise.reference import Engine, SamplingParams
 
 pytestmark = pytest.mark.correctness
 

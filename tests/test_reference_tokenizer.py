@@ -1,9 +1,9 @@
 """Text prompts through the checkpoint's HF tokenizer: encoding, decoded output text, chat templates."""
 import pytest
 
-from chunkwise.config import ModelConfig
+from chunkwise.model_config import ModelConfig
 from chunkwise.tokenizer import chat_prompt, encode_prompts, load_tokenizer
-from reference import Engine, SamplingParams
+from chunkwise.reference import Engine, SamplingParams
 
 pytestmark = pytest.mark.correctness
 

@@ -97,7 +97,7 @@ def test_sliding_window_changes_logits_past_the_window(name, reference_engine, r
 def test_reference_matches_hf_on_cuda(name, tiny_ckpt, random_prompt):
     from transformers import AutoModelForCausalLM
 
-    from reference import Engine
+    from chunkwise.reference import Engine
 
     torch.backends.cuda.matmul.allow_tf32 = False
     family, overrides = CASES[name]
@@ -141,7 +141,7 @@ def test_logits_match_hf_for_drawn_configurations(drawn, prompt_len, seed, tiny_
                                                   tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from reference import Engine
+    from chunkwise.reference import Engine
 
     family, overrides = drawn
     # Drawn configurations are one-offs: keep them out of the persistent checkpoint cache.

@@ -12,9 +12,9 @@ from hypothesis import event, example, given, note, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from chunkwise.sampling import SamplingParams
-from optimized.page_pool import PagePool
-from optimized.scheduler import ScheduledBatch, Scheduler
-from optimized.sequence import Sequence, SequenceStatus
+from chunkwise.engine.page_pool import PagePool
+from chunkwise.engine.scheduler import ScheduledBatch, Scheduler
+from chunkwise.engine.sequence import Sequence, SequenceStatus
 
 pytestmark = pytest.mark.correctness
 
@@ -78,7 +78,7 @@ class Driver:
                 f"over budget: {batch.num_new_tokens} > {cfg.max_num_batched_tokens} without a caller chunk"
             self.oversized += 1
         for p in batch.preempted:
-            assert p.status is SequenceStatus.WAITING and not p.block_table and p.num_computed_tokens == 0
+            assert p.status is SequenceStatus.WAITING and not p.page_table and p.num_computed_tokens == 0
             assert all(p.arrival > r.arrival for r in sched.running), "an older sequence was preempted"
         self.preemptions += len(batch.preempted)
         sampled = {}
@@ -107,17 +107,17 @@ class Driver:
         assert seq.num_computed_tokens + n <= seq.num_tokens
         assert seq.num_computed_tokens + n < seq.num_prompt_tokens + seq.sampling_params.max_tokens, \
             "a token past the last one was computed: more pages than check_fits allows for"
-        assert len(seq.block_table) >= bm.pages_needed(seq.num_computed_tokens + n)
+        assert len(seq.page_table) >= bm.pages_needed(seq.num_computed_tokens + n)
         if seq.follows_chunk_sizes():
             assert seq.num_computed_tokens + n == seq.next_chunk_end(), "a caller chunk was split or merged"
         if seq.num_preemptions == 0 and seq.num_computed_tokens < seq.num_prompt_tokens:
             self.chunk_ends.setdefault(seq.seq_id, []).append(seq.num_computed_tokens + n)
         tokens = self.tokens(seq)
         for pos in range(seq.num_computed_tokens):
-            got = self.kv[seq.block_table[pos // bm.page_size]][pos % bm.page_size]
+            got = self.kv[seq.page_table[pos // bm.page_size]][pos % bm.page_size]
             assert got == tuple(tokens[:pos + 1]), f"{seq} reads wrong K/V at position {pos}"
         for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-            page = seq.block_table[pos // bm.page_size]
+            page = seq.page_table[pos // bm.page_size]
             assert bm.pages[page].ref_count == 1, f"{seq} writes into shared page {page}"
             self.kv[page][pos % bm.page_size] = tuple(tokens[:pos + 1])
 
@@ -198,7 +198,7 @@ def test_every_request_produces_what_it_produces_alone(overlap, workload):
             sched.add(seqs[arrivals.pop(0)])
         if abort is not None and abort[1] == driver.steps and aborted is None and abort[0] in sched.seqs:
             aborted = sched.abort(abort[0])
-            assert aborted.finish_reason == "abort" and not aborted.block_table
+            assert aborted.finish_reason == "abort" and not aborted.page_table
             if not sched.has_unfinished():
                 continue
         assert driver.steps < 5000
@@ -253,17 +253,17 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def abort(self, data):
         seq = self.sched.abort(data.draw(st.sampled_from(sorted(self.sched.seqs))))
-        assert seq.finish_reason == "abort" and not seq.block_table and seq.seq_id not in self.sched.seqs
+        assert seq.finish_reason == "abort" and not seq.page_table and seq.seq_id not in self.sched.seqs
 
     @invariant()
     def pages_belong_to_running_sequences_only(self):
         bm = self.sched.page_pool
         refs = [0] * bm.num_pages
         for seq in self.sched.running:
-            for p in seq.block_table:
+            for p in seq.page_table:
                 refs[p] += 1
         assert [p.ref_count for p in bm.pages] == refs
-        assert all(not s.block_table and s.num_computed_tokens == 0 for s in self.sched.waiting)
+        assert all(not s.page_table and s.num_computed_tokens == 0 for s in self.sched.waiting)
         assert len(self.sched.running) <= self.sched.config.max_num_seqs
         assert bm.num_free_pages == sum(r == 0 for r in refs)
 
@@ -363,7 +363,7 @@ def test_newest_sequence_is_preempted_when_pages_run_out_and_recomputes_to_the_s
         batch, _ = driver.step()
         if batch.preempted:
             assert batch.preempted == [new] and [s.seq_id for s in batch.seqs] == [0]
-            assert sched.waiting[0] is new and new.num_computed_tokens == 0 and not new.block_table
+            assert sched.waiting[0] is new and new.num_computed_tokens == 0 and not new.page_table
             preempted_at = list(new.token_ids)
     while new.status is SequenceStatus.WAITING:
         driver.step()

@@ -14,7 +14,7 @@ import torch
 import reference
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from chunkwise.checkpoints import tiny_checkpoint
-from optimized import Engine, SamplingParams
+from chunkwise.engine import Engine, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -98,7 +98,7 @@ def soak(device: str, num_requests: int, seed: int = 0, checked: int = 40) -> di
         else:
             assert out.finish_reason in ("abort", "error"), out.finish_reason
     greedy = [r for r, o in outputs.items() if params[r].greedy and o.finish_reason == "length"]
-    ref = reference.Engine(ckpt, dtype="float32", device=device, max_model_len=512)
+    ref = chunkwise.reference.Engine(ckpt, dtype="float32", device=device, max_model_len=512)
     sample = rng.sample(greedy, min(checked, len(greedy)))
     want = ref.generate([prompts[r] for r in sample], [params[r] for r in sample])
     for r, w in zip(sample, want):

@@ -3,7 +3,7 @@ rank and against the reference.
 
 Four tiny shapes, each crossing one way the sharding can go wrong: MHA (two KV heads per rank, q/k/v/o biases:
 o_proj's bias must be added once, after the all-reduce), GQA (Qwen2: one KV head per rank, sharded q/k/v biases;
-a pool so tight that requests are preempted and their block-table rows rewritten; transformers initialises
+a pool so tight that requests are preempted and their page-table rows rewritten; transformers initialises
 biases to zero, so both get random ones here, or a bias bug would be invisible), MQA (one KV head replicated on
 both ranks, and a vocabulary of 383 whose last slice is padded) and Gemma 3 (MQA too, sliding window 8, q/k norm,
 tied embeddings, embedding scale). Prompts are chunked and the page size is 3, so chunks and pages cut the
@@ -25,10 +25,10 @@ from parity_report import assert_same_tokens, kv_mismatch
 
 import reference
 from chunkwise.checkpoints import tiny_checkpoint
-from chunkwise.config import ModelConfig
-from optimized import Engine, SamplingParams
-from optimized.model_runner import ModelRunner
-from optimized.tensor_parallel import TensorParallel
+from chunkwise.model_config import ModelConfig
+from chunkwise.engine import Engine, SamplingParams
+from chunkwise.engine.model_runner import ModelRunner
+from chunkwise.engine.tensor_parallel import TensorParallel
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -78,7 +78,7 @@ def case(request, tmp_path_factory):
     # Overlap scheduling (the GPU default; off by default on CPU): each worker feeds step k+1 with step k's tokens
     # as it got them itself (from the vocabulary slices' maxima). The TP=1 engine runs synchronously.
     with Engine(ckpt, tensor_parallel_size=2, async_scheduling=True, **kw) as tp:
-        yield request.param, ckpt, tp, Engine(ckpt, **kw), reference.Engine(ckpt, max_model_len=64)
+        yield request.param, ckpt, tp, Engine(ckpt, **kw), chunkwise.reference.Engine(ckpt, max_model_len=64)
 
 
 @pytest.mark.parametrize("heads, kv_heads, size", [

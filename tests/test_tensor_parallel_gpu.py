@@ -21,8 +21,8 @@ from test_tensor_parallel_lifecycle import assert_gone, within
 
 import reference
 from chunkwise.checkpoints import resolve_model, tiny_checkpoint
-from optimized import Engine, SamplingParams
-from optimized.workers import TensorParallelError
+from chunkwise.engine import Engine, SamplingParams
+from chunkwise.engine.workers import TensorParallelError
 
 pytestmark = [pytest.mark.gpu, pytest.mark.correctness,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
@@ -70,7 +70,7 @@ def test_float32_tokens_and_kv_equal_one_gpu_and_the_reference(name, tmp_path_fa
     want_one = [o.token_ids for o in one.generate(prompts, params, chunk_sizes=chunks)]
     kv_one = one.prefill_kv(prompts[3], chunk_sizes=chunks[3])
     del one
-    ref = reference.Engine(ckpt, dtype="float32", max_model_len=KW["max_model_len"])
+    ref = chunkwise.reference.Engine(ckpt, dtype="float32", max_model_len=KW["max_model_len"])
     label = f"{name}, float32, tensor_parallel_size=2"
     assert_same_tokens(ref, prompts, got, [o.token_ids for o in ref.generate(prompts, params)], label)
     assert_same_tokens(ref, prompts, got, want_one, label + " against one GPU")
@@ -92,7 +92,7 @@ def test_real_checkpoint_tokens_equal_one_gpu(name, prompt):
         got = tp.generate([prompt], params, chunk_sizes=[[3, 2]])[0]
     want = Engine(ckpt, dtype="float32", **KW).generate([prompt], params)[0]
     print(f"{name}, two GPUs: {prompt!r} -> {got.text!r}")
-    ref = reference.Engine(ckpt, dtype="float32", max_model_len=KW["max_model_len"])
+    ref = chunkwise.reference.Engine(ckpt, dtype="float32", max_model_len=KW["max_model_len"])
     assert_same_tokens(ref, [got.prompt_token_ids], [got.token_ids], [want.token_ids],
                        f"{name}, float32, tensor_parallel_size=2 against one GPU")
 
@@ -105,7 +105,7 @@ def test_bf16_tokens_agree_with_the_reference_until_a_near_tie(name, tmp_path_fa
     params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=TOP_K)
     with Engine(ckpt, dtype="bfloat16", tensor_parallel_size=2, **KW) as tp:
         got = tp.generate(prompts, params, chunk_sizes=chunks)
-    ref = reference.Engine(ckpt, dtype="bfloat16", max_model_len=KW["max_model_len"]).generate(prompts, params)
+    ref = chunkwise.reference.Engine(ckpt, dtype="bfloat16", max_model_len=KW["max_model_len"]).generate(prompts, params)
     agreed = [check_logprobs_close(o, r, f"{name} request {i}") for i, (o, r) in enumerate(zip(got, ref))]
     print(f"{name}, bf16, two GPUs: tokens agreed before a divergence, per request: {agreed} of {params.max_tokens}")
     assert sum(agreed) >= MIN_AGREED_SHARE * params.max_tokens * len(prompts), \

@@ -23,10 +23,10 @@ import pytest
 import torch
 
 import reference
-from chunkwise.config import ModelConfig
-from optimized import Engine, SamplingParams
-from optimized.tensor_parallel import CollectiveGuard, TensorParallel
-from optimized.workers import TensorParallelError
+from chunkwise.model_config import ModelConfig
+from chunkwise.engine import Engine, SamplingParams
+from chunkwise.engine.tensor_parallel import CollectiveGuard, TensorParallel
+from chunkwise.engine.workers import TensorParallelError
 
 PROMPTS = [[5, 9, 14, 3, 22, 8, 17], [60, 61, 62, 63, 64, 65]]
 GREEDY = SamplingParams(max_tokens=3, ignore_eos=True)
@@ -87,7 +87,7 @@ def test_interpreter_exit_stops_the_workers(ckpt, ending):
     workers see their parent go) leave no worker behind."""
     last = {"return": "", "KeyboardInterrupt": "raise KeyboardInterrupt\n",
             "SIGKILL": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"}[ending]
-    script = (f"import json, sys\nfrom optimized import Engine\n"
+    script = (f"import json, sys\nfrom chunkwise import Engine\n"
               f"eng = Engine({str(ckpt)!r}, **{KW!r})\n"
               f"print(json.dumps([p.pid for p in eng._workers.procs]), flush=True)\n" + last)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_S,
@@ -211,7 +211,7 @@ def test_rank_0_failing_inside_a_step_stops_the_workers(ckpt, fault):
 def test_a_sampling_failure_is_contained_and_close_stops_every_worker(ckpt):
     """Sampling runs on rank 0 after every rank's forward: its failure ends the step's requests with the error,
     and the engine, workers included, goes on. close() then stops the workers, and the engine refuses work."""
-    want = [o.token_ids for o in reference.Engine(ckpt, max_model_len=64).generate(PROMPTS, GREEDY)]
+    want = [o.token_ids for o in chunkwise.reference.Engine(ckpt, max_model_len=64).generate(PROMPTS, GREEDY)]
     eng = Engine(ckpt, **KW)
     pids = worker_pids(eng)
     assert all(psutil.pid_exists(p) for p in pids)
@@ -271,7 +271,7 @@ def write_config(tmp_path, **overrides):
 ])
 def test_bad_tensor_parallel_size_is_refused_by_name(tmp_path, size, overrides, match):
     path = write_config(tmp_path, **overrides)
-    for engine in (Engine, reference.Engine):
+    for engine in (Engine, chunkwise.reference.Engine):
         with pytest.raises(ValueError, match=match):
             engine(path, tensor_parallel_size=size)
 

@@ -11,7 +11,7 @@ from parity_report import assert_same_tokens, kv_mismatch
 
 import reference
 from chunkwise.checkpoints import tiny_checkpoint
-from optimized import Engine, SamplingParams
+from chunkwise.engine import Engine, SamplingParams
 
 pytestmark = [pytest.mark.correctness, pytest.mark.slow]
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -39,7 +39,7 @@ def test_split_kv_and_cascade_decodes_equal_one_rank(random_prompt):
     one = Engine(ckpt, **kw)
     want = [one.generate([prompts[0]], GREEDY)[0].token_ids] + [o.token_ids for o in one.generate(prompts[1:], GREEDY)]
     assert any(cascades), "no step took cascade attention: the test lost its power"
-    assert_same_tokens(reference.Engine(ckpt, max_model_len=128), prompts, got, want,
+    assert_same_tokens(chunkwise.reference.Engine(ckpt, max_model_len=128), prompts, got, want,
                        "qwen3, tensor_parallel_size=2 against 1, split-KV and cascade decodes")
 
 
@@ -64,7 +64,7 @@ def test_four_ranks_replicate_each_of_two_kv_heads(random_prompt):
     ckpt = tiny_checkpoint("llama")
     prompts = [random_prompt(n, 384, seed=n) for n in (3, 11)]
     chunks = [None, [4, 7]]
-    ref = reference.Engine(ckpt, max_model_len=64)
+    ref = chunkwise.reference.Engine(ckpt, max_model_len=64)
     with Engine(ckpt, tensor_parallel_size=4, page_size=3, max_model_len=64, num_pages=32) as tp:
         got = [o.token_ids for o in tp.generate(prompts, GREEDY, chunk_sizes=chunks)]
         kv = tp.prefill_kv(prompts[1], chunk_sizes=chunks[1])

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tiling import cast, dot
+from chunkwise.kernels.tiling import cast, dot
 
 LOG2E = 1.4426950408889634
 
@@ -21,27 +21,27 @@ def check_window(sliding_window):
         raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
 
 
-def check_cache(q, k_cache, v_cache, block_tables, seq_lens):
+def check_cache(q, k_cache, v_cache, page_tables, seq_lens):
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must be equal 4-d")
     if q.dim() != 3 or q.shape[2] != k_cache.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} must be [rows, heads, {k_cache.shape[3]}]")
     if q.shape[1] % k_cache.shape[2] != 0:
         raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k_cache.shape[2]}")
-    if block_tables.dim() != 2 or block_tables.dtype != torch.int32:
-        raise ValueError(f"block_tables must be int32 [seqs, pages], got {block_tables.dtype} "
-                         f"{tuple(block_tables.shape)}")
-    if seq_lens.shape != (block_tables.shape[0],) or seq_lens.dtype != torch.int32:
-        raise ValueError(f"seq_lens must be int32 [{block_tables.shape[0]}], got {seq_lens.dtype} "
+    if page_tables.dim() != 2 or page_tables.dtype != torch.int32:
+        raise ValueError(f"page_tables must be int32 [seqs, pages], got {page_tables.dtype} "
+                         f"{tuple(page_tables.shape)}")
+    if seq_lens.shape != (page_tables.shape[0],) or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be int32 [{page_tables.shape[0]}], got {seq_lens.dtype} "
                          f"{tuple(seq_lens.shape)}")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("q, k_cache and v_cache need head_dim contiguous")
 
 
-def gather_kv_ref(cache, block_table, seq_len):
+def gather_kv_ref(cache, page_table, seq_len):
     """[seq_len, num_kv_heads, head_dim]: positions 0..seq_len-1 of one sequence, read through its pages."""
     pos = torch.arange(seq_len, device=cache.device)
-    pages = block_table.to(cache.device)[pos // cache.shape[1]].long()
+    pages = page_table.to(cache.device)[pos // cache.shape[1]].long()
     return cache[pages, pos % cache.shape[1]]
 
 

@@ -1,8 +1,8 @@
-"""A tensor-parallel group's one-shot all-reduce through peer memory (kernels/all_reduce.py), as vLLM's custom
+"""A tensor-parallel group's one-shot all-reduce through peer memory (chunkwise/kernels/all_reduce.py), as vLLM's custom
 all-reduce: for the all-reduces that fit its buffers (a decode step's [rows, hidden], up to MAX_BYTES a rank), NCCL
 for the rest.
 
-Each rank owns one buffer (receive slots, then flags) that every rank maps (optimized/peer_memory.py).
+Each rank owns one buffer (receive slots, then flags) that every rank maps (chunkwise/engine/peer_memory.py).
 
 Building it is collective: every rank builds it at the same point, and only conditions that are the same on every
 rank decide whether it is used, so every call takes the same path on all ranks.
@@ -14,8 +14,8 @@ from typing import Callable
 
 import torch
 
-from kernels.all_reduce import PeerBuffers, push_all_reduce
-from optimized.peer_memory import PeerMemory, native_atomics
+from chunkwise.kernels.all_reduce import PeerBuffers, push_all_reduce
+from chunkwise.engine.peer_memory import PeerMemory, native_atomics
 
 MAX_BYTES = 8 << 20   # per rank and call; above a few MB NCCL's ring is as fast (64 MB: 254 us either way, 2xH200)
 MAX_WORLD = 8         # one NVLink domain's GPUs

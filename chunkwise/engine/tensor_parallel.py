@@ -15,7 +15,7 @@ Rank r of N holds (H query heads, KV key/value heads, I = intermediate_size, V =
   norms, q_norm, k_norm       whole (replicated)
 A rank's query heads all read its own KV heads in the same order as on one device (local query head j reads local
 KV head j // group), so the attention kernels run unchanged on the shard, and each rank's paged KV cache holds
-only its KV heads, with the same pages and block tables on every rank.
+only its KV heads, with the same pages and page tables on every rank.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from chunkwise.config import ModelConfig
-from optimized.custom_all_reduce import CustomAllReduce, unusable
+from chunkwise.model_config import ModelConfig
+from chunkwise.engine.custom_all_reduce import CustomAllReduce, unusable
 
 # torch >= 2.12 names all_gather_into_tensor all_gather_single (the old name warns there); same arguments.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -3,7 +3,7 @@
 Layouts:
     q, out:           [num_tokens, num_heads, head_dim]; sequence s owns rows query_start_loc[s]:query_start_loc[s+1]
     k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim]
-    block_tables:     int32 [num_seqs, max_pages_per_seq]; position p of s lives in page block_tables[s, p // page_size]
+    page_tables:     int32 [num_seqs, max_pages_per_seq]; position p of s lives in page page_tables[s, p // page_size]
     seq_lens:         int32 [num_seqs], tokens in the cache for s including its new (already stored) tokens
     query_start_loc:  int32 [num_seqs + 1], cumulative query counts starting at 0
 Query j of s sits at position seq_lens[s] - q_len + j and sees positions <= its own (and > pos - sliding_window).
@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import (LOG2E, attend_ref, attend_tiles, check_cache, check_window, gather_kv_ref,
+from chunkwise.kernels.attention_tile import (LOG2E, attend_ref, attend_tiles, check_cache, check_window, gather_kv_ref,
                                     pages_per_tile)
-from kernels.tiling import cast, precision_for
+from chunkwise.kernels.tiling import cast, precision_for
 
 
 # A block's opt-in shared memory from which a GPU counts as Hopper-class here (H100/H200: 227 KB; A100: 164 KB):
@@ -56,8 +56,8 @@ def shared_memory(device: torch.device) -> int:
     return _cuda_shared_memory(device) if device.type == "cuda" else 0
 
 
-def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sliding_window, out):
-    check_cache(q, k_cache, v_cache, block_tables, seq_lens)
+def _check(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, sliding_window, out):
+    check_cache(q, k_cache, v_cache, page_tables, seq_lens)
     check_window(sliding_window)
     if query_start_loc.shape != (seq_lens.shape[0] + 1,) or query_start_loc.dtype != torch.int32:
         raise ValueError(f"query_start_loc must be int32 [{seq_lens.shape[0] + 1}], got {query_start_loc.dtype} "
@@ -66,10 +66,10 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sliding
         raise ValueError(f"out {tuple(out.shape)} must match q {tuple(q.shape)} with head_dim contiguous")
 
 
-def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+def paged_attention_ref(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, scale,
                         sliding_window=None, out=None):
     """PyTorch twin of `paged_attention`: per sequence, gather its K/V and run a float32 masked softmax."""
-    _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sliding_window, out)
+    _check(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, sliding_window, out)
     out = torch.empty_like(q) if out is None else out
     starts = query_start_loc.tolist()
     for s, seq_len in enumerate(seq_lens.tolist()):
@@ -77,8 +77,8 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
         q_len = starts[s + 1] - starts[s]
         if q_len == 0:
             continue
-        k = gather_kv_ref(k_cache, block_tables[s], seq_len)
-        v = gather_kv_ref(v_cache, block_tables[s], seq_len)
+        k = gather_kv_ref(k_cache, page_tables[s], seq_len)
+        v = gather_kv_ref(v_cache, page_tables[s], seq_len)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         out[rows] = attend_ref(q[rows], k, v, q_pos, scale, sliding_window)[0].to(out.dtype)
     return out
@@ -101,7 +101,7 @@ def _find_sequence(query_start_loc_ptr, num_seqs, block_idx, BLOCK_Q: tl.constex
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     num_seqs, qk_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
@@ -146,7 +146,7 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    table = block_tables_ptr + s.to(tl.int64) * stride_bt
+    table = page_tables_ptr + s.to(tl.int64) * stride_bt
     m_i, l_i, acc = attend_tiles(
         q, q_pos, m_i, l_i, acc, t_start, full_lo, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
         kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
@@ -168,14 +168,14 @@ def _paged_attention_kernel(
              cast(o, out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+def paged_attention(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, scale,
                     sliding_window=None, out=None, max_rows=256):
     """Causal attention of every query row over its sequence's pages; returns out (allocated if None).
 
     max_rows caps the rows of a program's tile (see tile_config) for batches of one-token queries, where
     a tile taller than 128 rows would be padding (deterministic mode's decodes, which share the prefill's
     tiles and so pass the same cap there too)."""
-    _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sliding_window, out)
+    _check(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, sliding_window, out)
     if max_rows not in (128, 256):
         raise ValueError(f"max_rows must be 128 or 256, got {max_rows!r}")
     out = torch.empty_like(q) if out is None else out
@@ -191,9 +191,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     # without reading query lengths back to the host.
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        q, k_cache, v_cache, out, page_tables, seq_lens, query_start_loc,
         num_seqs, scale * LOG2E, sliding_window or 0,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), page_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         PAGE_SIZE=k_cache.shape[1], GROUP=group, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),

@@ -18,9 +18,9 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    """A request: prompt + generated tokens, its block table, and how many of its tokens have K/V in the cache.
+    """A request: prompt + generated tokens, its page table, and how many of its tokens have K/V in the cache.
 
-    Invariant: tokens [0, num_computed_tokens) have K/V in the pages of block_table, in order; the last
+    Invariant: tokens [0, num_computed_tokens) have K/V in the pages of page_table, in order; the last
     token of a decoding sequence (the one just sampled) is never computed yet.
     Under overlap scheduling a token may be sampled on the device but not yet known on the host: it is
     counted in num_pending (and in num_tokens), not in token_ids, until the engine postprocesses its step.
@@ -59,8 +59,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_preemptions = 0
-        self.block_table: list[int] = []
-        self.page_hashes: list[bytes] = []   # hash-chain value of each full page of block_table, in order
+        self.page_table: list[int] = []
+        self.page_hashes: list[bytes] = []   # hash-chain value of each full page of page_table, in order
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.logprobs: list[dict[int, float]] | None = None   # one dict per generated token, when asked for
@@ -68,7 +68,7 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
-                f"pages={self.block_table}, {self.status.name})")
+                f"pages={self.page_table}, {self.status.name})")
 
     @property
     def num_tokens(self) -> int:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.tiling import block_rows, cast, check_float, num_warps_for
+from chunkwise.kernels.tiling import block_rows, cast, check_float, num_warps_for
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _GPU_BLOCK_COLS = 1024

@@ -4,7 +4,7 @@ Rank 0 is the engine's own process: it schedules, samples and postprocesses as o
 processes it starts (torch.multiprocessing, spawn), each on its own device (the CUDA device N places after the
 engine's, or the CPU) with its shard of the checkpoint and its own ModelRunner. All ranks join torch.distributed's
 default process group (NCCL on CUDA, gloo on CPU) through a TCPStore that rank 0 serves on a free localhost port.
-Each step rank 0 sends every worker one message over its pipe (the step's HostStep, block-table writes included),
+Each step rank 0 sends every worker one message over its pipe (the step's HostStep, page-table writes included),
 then runs its own forward; the collectives inside the forward keep the ranks in step.
 
 Failures (the engine cannot contain a failure once a step is in the ranks' hands: their caches may disagree
@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 
 from chunkwise.engine_config import EngineConfig
 from chunkwise.weights import load_weights
-from optimized.tensor_parallel import CollectiveGuard, TensorParallel
+from chunkwise.engine.tensor_parallel import CollectiveGuard, TensorParallel
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)   # one collective, and the start-up rendezvous
 CLOSE_GRACE_S = 10.0                         # a worker's time to exit after "close" before it is terminated
@@ -286,7 +286,7 @@ def _worker_main(rank: int, config: EngineConfig, port: int, numerics: dict, con
     """Rank `rank`: loads its shard, joins the group, builds its runner, then runs each step rank 0 sends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, daemon=True).start()
-    from optimized.model_runner import ModelRunner   # here: model_runner imports this module
+    from chunkwise.engine.model_runner import ModelRunner   # here: model_runner imports this module
     try:
         torch.set_num_threads(numerics["num_threads"])
         torch.set_float32_matmul_precision(numerics["matmul_precision"])

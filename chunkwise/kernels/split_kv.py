@@ -4,12 +4,12 @@ the splits merged by log-sum-exp in the same launch.
 Layouts:
     q, out:             [num_seqs, num_heads, head_dim] (one decode query per sequence, at position seq_lens[s] - 1)
     k_cache, v_cache:   [num_pages, page_size, num_kv_heads, head_dim]
-    block_tables:       int32 [num_seqs, max_pages_per_seq];  seq_lens: int32 [num_seqs]
+    page_tables:       int32 [num_seqs, max_pages_per_seq];  seq_lens: int32 [num_seqs]
     partial_out:        float32 [num_seqs, num_heads, num_splits, head_dim] (scratch)
     partial_lse:        float32 [num_seqs, num_heads, num_splits] (scratch; natural log, -inf for no visible key)
     arrivals:           int32 [num_seqs, num_kv_heads] (scratch, zero at launch; each launch leaves it zero)
 Split j covers positions [j * split_size, (j + 1) * split_size): a fixed size in tokens, not a fixed count,
-so a sequence's splits (and its result) do not depend on the batch, page size or block-table width.
+so a sequence's splits (and its result) do not depend on the batch, page size or page-table width.
 The grid has cdiv(max_pages_per_seq * page_size, split_size) splits per sequence, known without reading seq_lens
 back (and fixed, as a captured CUDA graph needs); a program whose split holds no key its query sees (past the
 sequence's end, or before its window) returns at once. Each program that computes a split counts its arrival
@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import (LOG2E, attend_ref, attend_tiles, check_cache, check_window, gather_kv_ref,
+from chunkwise.kernels.attention_tile import (LOG2E, attend_ref, attend_tiles, check_cache, check_window, gather_kv_ref,
                                     pages_per_tile)
-from kernels.tiling import cast, precision_for
+from chunkwise.kernels.tiling import cast, precision_for
 
 DEFAULT_SPLIT_SIZE = 512
 
@@ -37,9 +37,9 @@ def split_tile_config(head_dim, group):
     return max(16, triton.next_power_of_2(group)), block_n, 4, 2
 
 
-def _check(q, k_cache, v_cache, block_tables, seq_lens, sliding_window, split_size):
+def _check(q, k_cache, v_cache, page_tables, seq_lens, sliding_window, split_size):
     """The argument checks of `split_kv_decode` and its reference, in one place."""
-    check_cache(q, k_cache, v_cache, block_tables, seq_lens)
+    check_cache(q, k_cache, v_cache, page_tables, seq_lens)
     check_window(sliding_window)
     block_n = split_tile_config(q.shape[2], q.shape[1] // k_cache.shape[2])[1]
     if not isinstance(split_size, int) or split_size < 1 or split_size % block_n:
@@ -59,15 +59,15 @@ def merge_splits_ref(partial_out, partial_lse, out):
     return out
 
 
-def split_kv_partials_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, split_size):
+def split_kv_partials_ref(q, k_cache, v_cache, page_tables, seq_lens, scale, sliding_window, split_size):
     """(partial_out, partial_lse) of `split_kv_decode`, computed split by split in float32."""
     num_seqs, num_heads, head_dim = q.shape
-    num_splits = math.ceil(block_tables.shape[1] * k_cache.shape[1] / split_size)
+    num_splits = math.ceil(page_tables.shape[1] * k_cache.shape[1] / split_size)
     partial_out = torch.zeros(num_seqs, num_heads, num_splits, head_dim, device=q.device)
     partial_lse = torch.full((num_seqs, num_heads, num_splits), -math.inf, device=q.device)
     for s, seq_len in enumerate(seq_lens.tolist()):
-        k = gather_kv_ref(k_cache, block_tables[s], seq_len)
-        v = gather_kv_ref(v_cache, block_tables[s], seq_len)
+        k = gather_kv_ref(k_cache, page_tables[s], seq_len)
+        v = gather_kv_ref(v_cache, page_tables[s], seq_len)
         q_pos = torch.tensor([seq_len - 1], device=q.device)
         for j in range(math.ceil(seq_len / split_size)):
             lo = j * split_size
@@ -80,12 +80,12 @@ def split_kv_partials_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sl
     return partial_out, partial_lse
 
 
-def split_kv_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None,
+def split_kv_decode_ref(q, k_cache, v_cache, page_tables, seq_lens, scale, sliding_window=None,
                         split_size=DEFAULT_SPLIT_SIZE, out=None):
     """PyTorch twin of `split_kv_decode`: reference partials, then the reference merge."""
-    _check(q, k_cache, v_cache, block_tables, seq_lens, sliding_window, split_size)
+    _check(q, k_cache, v_cache, page_tables, seq_lens, sliding_window, split_size)
     out = torch.empty_like(q) if out is None else out
-    partials = split_kv_partials_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, split_size)
+    partials = split_kv_partials_ref(q, k_cache, v_cache, page_tables, seq_lens, scale, sliding_window, split_size)
     return merge_splits_ref(*partials, out)
 
 
@@ -160,7 +160,7 @@ def _split_kernel(
     partial_out_ptr,    # float32 [num_seqs, num_heads, num_splits, head_dim]
     partial_lse_ptr,    # float32 [num_seqs, num_heads, num_splits]
     arrivals_ptr,       # int32 [num_seqs, num_kv_heads], zero at launch and left zero
-    block_tables_ptr,   # int32 [num_seqs, max_pages_per_seq]
+    page_tables_ptr,   # int32 [num_seqs, max_pages_per_seq]
     seq_lens_ptr,       # int32 [num_seqs]
     start_split_ptr,    # int32 [num_seqs] when HAS_START: splits before it hold partials written already
     qk_scale, window, split_size,
@@ -202,7 +202,7 @@ def _split_kernel(
             # Tiles stay at absolute multiples of BLOCK_N (split_size is one), whatever the window start.
             o, lse = _split_partial(
                 q, tl.zeros([BLOCK_H], tl.int32) + seq_len - 1, lo // BLOCK_N, hi, window, k_cache_ptr, v_cache_ptr,
-                block_tables_ptr + s.to(tl.int64) * stride_bt, PAGE_SIZE, kv_head,
+                page_tables_ptr + s.to(tl.int64) * stride_bt, PAGE_SIZE, kv_head,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
                 HEAD_DIM, D_PAD, BLOCK_H, BLOCK_N, USE_WINDOW, PRECISION, PAGES_PER_TILE,
             )
@@ -230,21 +230,21 @@ class SplitWorkspace:
 
 
 def split_workspace(num_seqs, num_heads, num_kv_heads, head_dim, num_splits, device) -> SplitWorkspace:
-    """A fresh SplitWorkspace; num_splits = num_splits_for(block tables' width, page_size, split_size)."""
+    """A fresh SplitWorkspace; num_splits = num_splits_for(page tables' width, page_size, split_size)."""
     return SplitWorkspace(torch.empty(num_seqs, num_heads, num_splits, head_dim, device=device, dtype=torch.float32),
                           torch.empty(num_seqs, num_heads, num_splits, device=device, dtype=torch.float32),
                           torch.zeros(num_seqs, num_kv_heads, device=device, dtype=torch.int32))
 
 
 def num_splits_for(max_pages_per_seq, page_size, split_size):
-    """Splits per sequence in the grid: enough for a sequence filling its block-table row."""
+    """Splits per sequence in the grid: enough for a sequence filling its page-table row."""
     return triton.cdiv(max_pages_per_seq * page_size, split_size)
 
 
-def _workspace_for(q, k_cache, block_tables, split_size, workspace):
+def _workspace_for(q, k_cache, page_tables, split_size, workspace):
     """`workspace` checked against the batch, or a fresh one."""
     num_seqs, num_heads, head_dim = q.shape
-    shape = (num_seqs, num_heads, num_splits_for(block_tables.shape[1], k_cache.shape[1], split_size), head_dim)
+    shape = (num_seqs, num_heads, num_splits_for(page_tables.shape[1], k_cache.shape[1], split_size), head_dim)
     if workspace is None:
         return split_workspace(*shape[:2], k_cache.shape[2], head_dim, shape[2], q.device)
     if not isinstance(workspace, SplitWorkspace):
@@ -259,7 +259,7 @@ def _workspace_for(q, k_cache, block_tables, split_size, workspace):
     return workspace
 
 
-def launch_splits(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, split_size, out, workspace,
+def launch_splits(q, k_cache, v_cache, page_tables, seq_lens, scale, sliding_window, split_size, out, workspace,
                   start_split=None):
     """The split kernel over every sequence's splits from start_split[s] (int32 [num_seqs]; None: 0) on, merged
     into out with the partials already in `workspace` for the splits before it. Arguments as checked by _check
@@ -273,9 +273,9 @@ def launch_splits(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_wi
     # positions: each position's heads are one contiguous run of the cache (DRAM locality; same math). Then
     # splits, then sequences: a sequence's programs run close together, so most merges overlap other work.
     _split_kernel[(num_kv_heads, partial_out.shape[2], num_seqs)](
-        q, k_cache, v_cache, out, partial_out, partial_lse, arrivals, block_tables, seq_lens, start_split,
+        q, k_cache, v_cache, out, partial_out, partial_lse, arrivals, page_tables, seq_lens, start_split,
         scale * LOG2E, sliding_window or 0, split_size,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), page_tables.stride(0),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -298,15 +298,15 @@ def check_batch(q, out, what):
         raise ValueError(f"out must be {tuple(q.shape)} with head_dim contiguous, got {tuple(out.shape)}")
 
 
-def split_kv_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None,
+def split_kv_decode(q, k_cache, v_cache, page_tables, seq_lens, scale, sliding_window=None,
                     split_size=DEFAULT_SPLIT_SIZE, out=None, workspace=None):
     """Decode attention with the KV split every split_size positions, then merged; returns out. `workspace`
     (a SplitWorkspace for this batch) saves allocating and zeroing the scratch on every call."""
-    _check(q, k_cache, v_cache, block_tables, seq_lens, sliding_window, split_size)
+    _check(q, k_cache, v_cache, page_tables, seq_lens, sliding_window, split_size)
     check_batch(q, out, "split_kv_decode")
-    workspace = _workspace_for(q, k_cache, block_tables, split_size, workspace)
+    workspace = _workspace_for(q, k_cache, page_tables, split_size, workspace)
     out = torch.empty_like(q) if out is None else out
     if q.shape[0] == 0:
         return out
-    return launch_splits(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, split_size, out,
+    return launch_splits(q, k_cache, v_cache, page_tables, seq_lens, scale, sliding_window, split_size, out,
                          workspace)

@@ -20,7 +20,7 @@ TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol
 class PagedKV:
     k_cache: torch.Tensor       # [num_pages, page_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor
-    block_tables: torch.Tensor  # int32 [num_seqs, max_pages_per_seq]
+    page_tables: torch.Tensor  # int32 [num_seqs, max_pages_per_seq]
     seq_lens: torch.Tensor      # int32 [num_seqs]
 
 
@@ -49,7 +49,7 @@ def paginate(kv_seqs, page_size, generator, spare_pages=3, extra_table_cols=1, p
     """Place sequences [(k, v), ...] into randomly permuted pages of a fresh pool.
 
     Everything a sequence must not read is made to show if read: the spare pages and the slots past each
-    sequence's end hold `poison` (NaN by default), and the unused block-table columns point at spare pages.
+    sequence's end hold `poison` (NaN by default), and the unused page-table columns point at spare pages.
     """
     if spare_pages < 1:
         raise ValueError(f"spare_pages must be >= 1 (unused table columns point at them), got {spare_pages}")

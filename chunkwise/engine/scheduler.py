@@ -12,8 +12,8 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from optimized.page_pool import PagePool
-from optimized.sequence import Sequence, SequenceStatus
+from chunkwise.engine.page_pool import PagePool
+from chunkwise.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
@@ -77,8 +77,8 @@ class Scheduler:
         """Queue a new sequence; check_fits=False only for one whose caller checked the tokens it will compute."""
         if seq.seq_id in self.seqs:
             raise ValueError(f"sequence id {seq.seq_id!r} is already scheduled")
-        if seq.status is not SequenceStatus.WAITING or seq.block_table:
-            raise ValueError(f"sequence {seq.seq_id} is {seq.status.name} with pages {seq.block_table}; "
+        if seq.status is not SequenceStatus.WAITING or seq.page_table:
+            raise ValueError(f"sequence {seq.seq_id} is {seq.status.name} with pages {seq.page_table}; "
                              f"only a new sequence can be added")
         if check_fits:
             self.check_fits(seq)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tiling import block_rows, cast, check_float, num_warps_for
+from chunkwise.kernels.tiling import block_rows, cast, check_float, num_warps_for
 
 
 def _norm_ref(x, weight, eps, plus_one):
@@ -86,7 +86,7 @@ def _rms_norm_kernel(
 @triton.jit
 def add_residual(x, res_ptr, res_out_ptr, offs, mask):
     """x [R, C] float32 plus the residual at offs, rounded to res_out's dtype and stored there; returned in float32.
-    Also the tail of the all-reduce's NORM (kernels/all_reduce.py), which must round as this kernel does."""
+    Also the tail of the all-reduce's NORM (chunkwise/kernels/all_reduce.py), which must round as this kernel does."""
     s = cast(x + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32), res_out_ptr.dtype.element_ty)
     tl.store(res_out_ptr + offs, s, mask=mask)
     return s.to(tl.float32)

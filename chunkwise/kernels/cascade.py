@@ -1,7 +1,7 @@
 """Cascade (shared-prefix) split-KV decode: a split whose pages several sequences share is read once for all of them.
 
-Split-KV (`kernels.split_kv`) cuts every sequence's KV at fixed positions: split j covers [j * split_size,
-(j + 1) * split_size). When sequences' block tables agree on all pages up to the end of split j, and split j
+Split-KV (`chunkwise.kernels.split_kv`) cuts every sequence's KV at fixed positions: split j covers [j * split_size,
+(j + 1) * split_size). When sequences' page tables agree on all pages up to the end of split j, and split j
 lies whole below each one's seq_len, their split-j keys are the same memory. One program then loads each of
 its tiles once and folds it into the rows of every sharing sequence (and their GQA heads), with the tile order
 and per-row arithmetic of split-KV's split kernel; a tile that is fully masked for a row (a window that starts
@@ -15,7 +15,7 @@ The shared splits' work is an explicit list of items: item k is up to `item_size
 whatever the grouping, and program p takes items p, p + programs, ... below the item count, which it reads
 from the device: a captured CUDA graph replays with any grouping its buffers hold.
 
-Layouts (q, caches, block_tables, seq_lens, partials: as `split_kv_decode`):
+Layouts (q, caches, page_tables, seq_lens, partials: as `split_kv_decode`):
     CascadeGroups, CSR over the shared splits (one entry per split that two or more sequences share):
         split:         int32 [num_shared]      split index j of shared split i (keys [j*split_size, (j+1)*split_size))
         starts:        int32 [num_shared + 1]  its sequences are members[starts[i]:starts[i+1]] (at least 2)
@@ -46,10 +46,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_tile import LOG2E, attend_ref, gather_kv_ref, pages_per_tile
-from kernels.split_kv import (DEFAULT_SPLIT_SIZE, _check, _split_partial, _workspace_for, check_batch, launch_splits,
+from chunkwise.kernels.attention_tile import LOG2E, attend_ref, gather_kv_ref, pages_per_tile
+from chunkwise.kernels.split_kv import (DEFAULT_SPLIT_SIZE, _check, _split_partial, _workspace_for, check_batch, launch_splits,
                               merge_splits_ref, split_tile_config)
-from kernels.tiling import precision_for
+from chunkwise.kernels.tiling import precision_for
 
 # A shared-split program reads each tile of its split once for all its members, so the taller its tile, the
 # fewer times a shared split is read. Split-KV's row sums come from a dot (see `_split_partial`), so a row's
@@ -89,7 +89,7 @@ def shared_tile_rows(item_size, group):
 @dataclass(frozen=True)
 class CascadeGroups:
     """Which splits of a decode batch are shared by which sequences, and the work items over them; see the
-    module docstring for the layout. Build it with `cascade_groups` from the same block tables and seq_lens
+    module docstring for the layout. Build it with `cascade_groups` from the same page tables and seq_lens
     the kernel gets."""
     split: torch.Tensor
     starts: torch.Tensor
@@ -131,16 +131,16 @@ def _host_ints(x, what):
     return a
 
 
-def _as_table(block_tables, rows):
+def _as_table(page_tables, rows):
     """(int [num_rows, width] table, int [num_seqs] each sequence's row, int [num_seqs] pages each one's row
     holds); ragged lists are zero-padded."""
-    if isinstance(block_tables, (torch.Tensor, np.ndarray)):
-        table = _host_ints(block_tables, "block_tables")
+    if isinstance(page_tables, (torch.Tensor, np.ndarray)):
+        table = _host_ints(page_tables, "page_tables")
         if table.ndim != 2:
-            raise ValueError(f"block_tables must be 2-d, got shape {tuple(table.shape)}")
+            raise ValueError(f"page_tables must be 2-d, got shape {tuple(table.shape)}")
         widths = np.full(table.shape[0], table.shape[1], np.int64)
     else:
-        lists = [_host_ints(r, "block_tables") for r in block_tables]
+        lists = [_host_ints(r, "page_tables") for r in page_tables]
         widths = np.array([len(r) for r in lists], np.int64)
         table = np.zeros((len(lists), int(widths.max(initial=0))), np.int32)
         for s, r in enumerate(lists):
@@ -149,16 +149,16 @@ def _as_table(block_tables, rows):
         return table, np.arange(table.shape[0]), widths
     rows = _host_ints(rows, "rows")
     if rows.ndim != 1 or len(rows) and (rows.min() < 0 or rows.max() >= table.shape[0]):
-        raise ValueError(f"rows must be 1-d indices of the {table.shape[0]} block-table rows, got {rows}")
+        raise ValueError(f"rows must be 1-d indices of the {table.shape[0]} page-table rows, got {rows}")
     return table, rows, widths[rows]
 
 
-def cascade_groups(block_tables, seq_lens, page_size, split_size=DEFAULT_SPLIT_SIZE, *, item_size,
+def cascade_groups(page_tables, seq_lens, page_size, split_size=DEFAULT_SPLIT_SIZE, *, item_size,
                    rows=None) -> CascadeGroups:
-    """The shared splits of a decode batch, from its block tables alone, and their work items of up to
+    """The shared splits of a decode batch, from its page tables alone, and their work items of up to
     `item_size` members (`cascade_item_size(head_dim, group)` by default). Host tensors.
 
-    block_tables: int [num_rows, width] (numpy, tensor) or one sequence of page ids per row; sequence s's is
+    page_tables: int [num_rows, width] (numpy, tensor) or one sequence of page ids per row; sequence s's is
     row rows[s] (rows: int [num_seqs]; None: row s). Entries past a sequence's last page are ignored, so
     padding and stale entries are harmless. seq_lens: tokens of each sequence (>= 1). Split j of sequence s is
     shared with t when both hold it whole ((j + 1) * split_size <= seq_len, so every key of the split is one
@@ -173,10 +173,10 @@ def cascade_groups(block_tables, seq_lens, page_size, split_size=DEFAULT_SPLIT_S
     for name, value in (("page_size", page_size), ("split_size", split_size), ("item_size", item_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    table, rows, widths = _as_table(block_tables, rows)
+    table, rows, widths = _as_table(page_tables, rows)
     lens = _host_ints(seq_lens, "seq_lens")
     if lens.ndim != 1 or rows.shape[0] != lens.shape[0]:
-        raise ValueError(f"{rows.shape[0]} block tables but {lens.shape[0] if lens.ndim else lens} seq_lens")
+        raise ValueError(f"{rows.shape[0]} page tables but {lens.shape[0] if lens.ndim else lens} seq_lens")
     bad = np.flatnonzero((lens < 1) | (widths * page_size < lens))
     if len(bad):
         s = int(bad[0])
@@ -249,30 +249,30 @@ def _check_groups(groups, q, k_cache, split_size):
         raise ValueError(f"groups.programs must be an int >= 1 when there are items, got {groups.programs!r}")
 
 
-def cascade_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, groups, scale, sliding_window=None,
+def cascade_decode_ref(q, k_cache, v_cache, page_tables, seq_lens, groups, scale, sliding_window=None,
                        split_size=DEFAULT_SPLIT_SIZE, out=None):
     """PyTorch twin of `cascade_decode`: each shared split gathered once (through its first member's table)
     and attended by all its members' queries, each own split per sequence, then the reference merge.
     `groups` as `cascade_groups` makes them (every entry in use)."""
-    _check(q, k_cache, v_cache, block_tables, seq_lens, sliding_window, split_size)
+    _check(q, k_cache, v_cache, page_tables, seq_lens, sliding_window, split_size)
     _check_groups(groups, q, k_cache, split_size)
     out = torch.empty_like(q) if out is None else out
     num_seqs, num_heads, head_dim = q.shape
-    num_splits = math.ceil(block_tables.shape[1] * k_cache.shape[1] / split_size)
+    num_splits = math.ceil(page_tables.shape[1] * k_cache.shape[1] / split_size)
     partial_out = torch.zeros(num_seqs, num_heads, num_splits, head_dim, device=q.device)
     partial_lse = torch.full((num_seqs, num_heads, num_splits), -math.inf, device=q.device)
     starts = groups.starts.tolist()
     for i, j in enumerate(groups.split.tolist()):
         members = groups.members[starts[i]:starts[i + 1]].long()
         lo, hi = j * split_size, (j + 1) * split_size
-        k = gather_kv_ref(k_cache, block_tables[members[0]], hi)[lo:]
-        v = gather_kv_ref(v_cache, block_tables[members[0]], hi)[lo:]
+        k = gather_kv_ref(k_cache, page_tables[members[0]], hi)[lo:]
+        v = gather_kv_ref(v_cache, page_tables[members[0]], hi)[lo:]
         o, lse = attend_ref(q[members], k, v, seq_lens[members].long() - 1 - lo, scale, sliding_window)
         partial_out[members, :, j] = o
         partial_lse[members, :, j] = lse
     for s, (seq_len, first) in enumerate(zip(seq_lens.tolist(), groups.shared_splits.tolist())):
-        k = gather_kv_ref(k_cache, block_tables[s], seq_len)
-        v = gather_kv_ref(v_cache, block_tables[s], seq_len)
+        k = gather_kv_ref(k_cache, page_tables[s], seq_len)
+        v = gather_kv_ref(v_cache, page_tables[s], seq_len)
         for j in range(first, math.ceil(seq_len / split_size)):
             lo = j * split_size
             o, lse = attend_ref(q[s:s + 1], k[lo:lo + split_size], v[lo:lo + split_size],
@@ -289,7 +289,7 @@ def _shared_split_kernel(
     v_cache_ptr,        # [num_pages, page_size, num_kv_heads, head_dim]
     partial_out_ptr,    # float32 [num_seqs, num_heads, num_splits, head_dim]
     partial_lse_ptr,    # float32 [num_seqs, num_heads, num_splits]
-    block_tables_ptr,   # int32 [num_seqs, max_pages_per_seq]
+    page_tables_ptr,   # int32 [num_seqs, max_pages_per_seq]
     seq_lens_ptr,       # int32 [num_seqs]
     split_ptr,          # int32 [>= num_shared]: split index of each shared split
     starts_ptr,         # int32 [>= num_shared + 1]: CSR offsets into members
@@ -331,7 +331,7 @@ def _shared_split_kernel(
             # From the earliest window start of the rows; tiles before a row's own start are fully masked for it.
             lo = tl.maximum(lo, tl.min(tl.where(row_ok, seq_len - window, hi), 0))
         # All members' tables agree up to this split's last page: read the first member's.
-        table = block_tables_ptr + tl.load(members_ptr + first).to(tl.int64) * stride_bt
+        table = page_tables_ptr + tl.load(members_ptr + first).to(tl.int64) * stride_bt
         o, lse = _split_partial(
             q, seq_len - 1, lo // BLOCK_N, hi, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE, kv_head,
             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
@@ -342,15 +342,15 @@ def _shared_split_kernel(
         tl.store(partial_lse_ptr + s * stride_ls + head * stride_lh + split, lse, mask=row_ok)
 
 
-def cascade_decode(q, k_cache, v_cache, block_tables, seq_lens, groups, scale, sliding_window=None,
+def cascade_decode(q, k_cache, v_cache, page_tables, seq_lens, groups, scale, sliding_window=None,
                    split_size=DEFAULT_SPLIT_SIZE, out=None, workspace=None):
-    """`split_kv_decode` with the splits in `groups` (from `cascade_groups` over these block tables and
+    """`split_kv_decode` with the splits in `groups` (from `cascade_groups` over these page tables and
     seq_lens, moved to q's device, or static buffers of the same layout) read once per shared split; bitwise
     the same result, whatever groups.programs. Returns out. `workspace`: as split_kv_decode's."""
-    _check(q, k_cache, v_cache, block_tables, seq_lens, sliding_window, split_size)
+    _check(q, k_cache, v_cache, page_tables, seq_lens, sliding_window, split_size)
     _check_groups(groups, q, k_cache, split_size)
     check_batch(q, out, "cascade_decode")
-    workspace = _workspace_for(q, k_cache, block_tables, split_size, workspace)
+    workspace = _workspace_for(q, k_cache, page_tables, split_size, workspace)
     out = torch.empty_like(q) if out is None else out
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs == 0:
@@ -362,10 +362,10 @@ def cascade_decode(q, k_cache, v_cache, block_tables, seq_lens, groups, scale, s
     partial_out, partial_lse = workspace.partial_out, workspace.partial_lse
     if groups.programs:
         _shared_split_kernel[(groups.programs, num_kv_heads)](
-            q, k_cache, v_cache, partial_out, partial_lse, block_tables, seq_lens,
+            q, k_cache, v_cache, partial_out, partial_lse, page_tables, seq_lens,
             groups.split, groups.starts, groups.members, groups.item_shared, groups.item_first, groups.num_items,
             scale * LOG2E, sliding_window or 0, split_size,
-            q.stride(0), q.stride(1), block_tables.stride(0),
+            q.stride(0), q.stride(1), page_tables.stride(0),
             partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
             partial_lse.stride(0), partial_lse.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -377,5 +377,5 @@ def cascade_decode(q, k_cache, v_cache, block_tables, seq_lens, groups, scale, s
             num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
         )
     # The own splits, and the merge of every split, by split-KV's kernel (after the shared splits: same stream).
-    return launch_splits(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, split_size, out,
+    return launch_splits(q, k_cache, v_cache, page_tables, seq_lens, scale, sliding_window, split_size, out,
                          workspace, start_split=groups.shared_splits)

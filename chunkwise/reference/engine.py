@@ -1,4 +1,4 @@
-"""reference.Engine: the interface both engines share, over a model that recomputes everything.
+"""chunkwise.reference.Engine: the interface both engines share, over a model that recomputes everything.
 
 Each generated token costs a full forward pass over the prompt and every token generated so far: slow,
 and obviously free of cache bugs. It takes the same `EngineConfig` fields as the optimized engine and
@@ -14,7 +14,7 @@ from chunkwise.requests import prepare_requests, single_prompt
 from chunkwise.sampling import RequestOutput, SamplingParams, make_generator, sample, token_logprobs
 from chunkwise.tokenizer import decode, load_tokenizer
 from chunkwise.weights import load_weights
-from reference.model import ReferenceModel
+from chunkwise.reference.model import ReferenceModel
 
 
 class Engine:

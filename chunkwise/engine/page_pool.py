@@ -1,4 +1,4 @@
-"""The page pool: per-sequence block tables (a sequence's list of page ids, the field's usual name), reference counts, and the prefix cache of full pages.
+"""The page pool: per-sequence page tables (a sequence's list of page ids, the field's usual name), reference counts, and the prefix cache of full pages.
 
 A full page is cached under a hash chain over every token before it plus its own tokens, so a page is
 reused only under exactly the same prefix (DESIGN.md, lesson 2). Its key in the cache is its parent's chain
@@ -17,7 +17,7 @@ from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from optimized.sequence import Sequence
+from chunkwise.engine.sequence import Sequence
 
 
 TOKEN_FORMAT = "q"   # a token id in a page's key: int64
@@ -80,8 +80,8 @@ class PagePool:
         The last token is never taken from the cache, so every admission computes at least one token
         (its logits give the next token).
         """
-        if seq.block_table or seq.num_computed_tokens:
-            raise ValueError(f"sequence {seq.seq_id} already holds pages {seq.block_table}; a prefix is "
+        if seq.page_table or seq.num_computed_tokens:
+            raise ValueError(f"sequence {seq.seq_id} already holds pages {seq.page_table}; a prefix is "
                              f"matched at admission only")
         found: list[tuple[int, bytes]] = []
         if not self.enable_prefix_caching:
@@ -107,8 +107,8 @@ class PagePool:
 
     def take_prefix(self, seq: Sequence, prefix: list[tuple[int, bytes]]) -> int:
         """Give seq the probed prefix pages (shared, ref-counted); returns the tokens they hold."""
-        if seq.block_table or seq.num_computed_tokens:
-            raise ValueError(f"sequence {seq.seq_id} already holds pages {seq.block_table}")
+        if seq.page_table or seq.num_computed_tokens:
+            raise ValueError(f"sequence {seq.seq_id} already holds pages {seq.page_table}")
         for page_id, h in prefix:
             page = self.pages[page_id]
             if page.hash != h:
@@ -116,7 +116,7 @@ class PagePool:
             if page.ref_count == 0:
                 del self.evictable[page_id]
             page.ref_count += 1
-            seq.block_table.append(page_id)
+            seq.page_table.append(page_id)
             seq.page_hashes.append(h)
         seq.num_computed_tokens = len(prefix) * self.page_size
         if seq.num_preemptions == 0:
@@ -130,13 +130,13 @@ class PagePool:
     def num_new_pages(self, seq: Sequence, num_new_tokens: int) -> int:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        return max(0, self.pages_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+        return max(0, self.pages_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.page_table))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.num_new_pages(seq, num_new_tokens) <= self.num_free_pages
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Extend seq.block_table to cover num_computed_tokens + num_new_tokens tokens."""
+        """Extend seq.page_table to cover num_computed_tokens + num_new_tokens tokens."""
         need = self.num_new_pages(seq, num_new_tokens)
         if need > self.num_free_pages:
             raise ValueError(f"sequence {seq.seq_id} needs {need} new pages for {num_new_tokens} tokens, "
@@ -144,7 +144,7 @@ class PagePool:
         for _ in range(need):
             page = self.pages[self._take_page()]
             page.ref_count = 1
-            seq.block_table.append(page.page_id)
+            seq.page_table.append(page.page_id)
 
     def _take_page(self) -> int:
         """A free page if there is one, else the least recently used evictable page, dropped from the cache."""
@@ -163,15 +163,15 @@ class PagePool:
             return
         num_tokens = seq.num_computed_tokens if num_tokens is None else num_tokens
         num_full = num_tokens // self.page_size
-        if num_full > len(seq.block_table):
+        if num_full > len(seq.page_table):
             raise ValueError(f"sequence {seq.seq_id} has {num_tokens} computed tokens but only "
-                             f"{len(seq.block_table)} pages")
+                             f"{len(seq.page_table)} pages")
         for i in range(len(seq.page_hashes), num_full):
             parent = seq.page_hashes[-1] if seq.page_hashes else b""
             tokens = token_bytes(seq.token_ids[i * self.page_size:(i + 1) * self.page_size])
             h = page_hash(parent, tokens)
             seq.page_hashes.append(h)
-            page = self.pages[seq.block_table[i]]
+            page = self.pages[seq.page_table[i]]
             # Another sequence may have cached the same content first: keep that one, this page stays private.
             key = parent + tokens
             if key not in self.cached:
@@ -181,7 +181,7 @@ class PagePool:
     def free(self, seq: Sequence) -> None:
         """Give back seq's pages: cached ones become evictable, the rest free. Resets seq to no pages."""
         # Tail pages first, so that under LRU a prefix's later pages are evicted before its head.
-        for page_id in reversed(seq.block_table):
+        for page_id in reversed(seq.page_table):
             page = self.pages[page_id]
             if page.ref_count < 1:
                 raise ValueError(f"page {page_id} of sequence {seq.seq_id} has ref_count {page.ref_count}")
@@ -191,6 +191,6 @@ class PagePool:
                     self.evictable[page_id] = None
                 else:
                     self.free_page_ids.append(page_id)
-        seq.block_table = []
+        seq.page_table = []
         seq.page_hashes = []
         seq.num_computed_tokens = 0

@@ -8,11 +8,11 @@ QKV GEMM, rope_store, attention, O GEMM, norm, gate_up GEMM, act_and_mul, down G
 
 Deterministic mode (`deterministic=True`): every op on a token's path gives that token the same bits whatever its
 batch-mates, chunk boundaries or page size, and whether prefill, decode or a recompute computes it. The GEMMs take
-`kernels.matmul` (tiles fixed per weight, no split-K) instead of torch's M-dependent BLAS; decodes take the
+`chunkwise.kernels.matmul` (tiles fixed per weight, no split-K) instead of torch's M-dependent BLAS; decodes take the
 single-pass `paged_attention` that prefill rows take, not split-KV. Norms, RoPE+store and the activation already
 keep a row's bits (their rows per program depend on the width only), and RoPE's cos/sin are elementwise.
 
-Tensor parallelism (`tp`, see optimized/tensor_parallel.py): the weights are one rank's shard; the embedding,
+Tensor parallelism (`tp`, see chunkwise/engine/tensor_parallel.py): the weights are one rank's shard; the embedding,
 o_proj and down_proj outputs are summed over the ranks (one all_reduce each; with the custom all-reduce, inside the
 next norm's kernel), so every rank carries the same residual stream, and each ends with its slice of the logits
 (`TensorParallel.argmax_logits` and `gather_logits` take it from there). Without `tp` the forward calls no
@@ -29,11 +29,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from chunkwise.config import ModelConfig
-from kernels import (CascadeGroups, act_and_mul, add_rms_norm, cascade_decode, matmul, paged_attention, rms_norm,
+from chunkwise.model_config import ModelConfig
+from chunkwise.kernels import (CascadeGroups, act_and_mul, add_rms_norm, cascade_decode, matmul, paged_attention, rms_norm,
                      rope_cos_sin, rope_store, split_kv_decode)
-from kernels.split_kv import DEFAULT_SPLIT_SIZE, SplitWorkspace, num_splits_for, split_workspace
-from optimized.tensor_parallel import TensorParallel
+from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE, SplitWorkspace, num_splits_for, split_workspace
+from chunkwise.engine.tensor_parallel import TensorParallel
 
 
 @dataclass
@@ -42,10 +42,10 @@ class StepInputs:
     input_ids: torch.Tensor          # int64 [T]
     positions: torch.Tensor          # int64 [T], absolute positions in each sequence
     slot_mapping: torch.Tensor       # int64 [T], page_id * page_size + offset; -1 = padding, not stored
-    block_tables: torch.Tensor       # int32 [P, max_pages] of the prefill sequences
+    page_tables: torch.Tensor       # int32 [P, max_pages] of the prefill sequences
     seq_lens: torch.Tensor           # int32 [P], tokens in the cache after this step, new ones included
     query_start_loc: torch.Tensor    # int32 [P + 1]
-    decode_block_tables: torch.Tensor  # int32 [D, max_pages]
+    decode_page_tables: torch.Tensor  # int32 [D, max_pages]
     decode_seq_lens: torch.Tensor      # int32 [D]
     logits_indices: torch.Tensor     # int64 [N], rows whose logits are sampled (each one's last new token)
     cascade: CascadeGroups | None = None   # decodes' shared splits, read once per group (None: none shared)
@@ -172,7 +172,7 @@ class Model:
 
     def _split_workspace(self, inp: StepInputs, k_cache: torch.Tensor) -> SplitWorkspace:
         """The split-KV decodes' scratch, made once per step and shared by every layer (one stream)."""
-        cfg, tables = self.cfg, inp.decode_block_tables
+        cfg, tables = self.cfg, inp.decode_page_tables
         heads, kv_heads = ((len(self.tp.q_heads), len(self.tp.kv_heads)) if self.tp is not None
                            else (cfg.num_heads, cfg.num_kv_heads))   # this rank's
         return split_workspace(tables.shape[0], heads, kv_heads, cfg.head_dim,
@@ -191,7 +191,7 @@ class Model:
         """The decodes' attention into out: single-pass in deterministic mode (decode_qsl), else split-KV,
         reading shared prefixes once where the step has cascade groups."""
         k_cache, v_cache = kv
-        args = (q, k_cache, v_cache, inp.decode_block_tables, inp.decode_seq_lens)
+        args = (q, k_cache, v_cache, inp.decode_page_tables, inp.decode_seq_lens)
         if decode_qsl is not None:
             paged_attention(*args, decode_qsl, self.cfg.attn_scale, sliding_window=window, out=out,
                             max_rows=self.attention_rows)
@@ -220,7 +220,7 @@ class Model:
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 self._decode_attention(q[p:], out[p:], inp, kv, window, decode_qsl, workspace)
         if p:
-            paged_attention(q[:p], k_cache, v_cache, inp.block_tables, inp.seq_lens, inp.query_start_loc,
+            paged_attention(q[:p], k_cache, v_cache, inp.page_tables, inp.seq_lens, inp.query_start_loc,
                             cfg.attn_scale, sliding_window=window, out=out[:p], max_rows=self.attention_rows)
         if side is not None:
             torch.cuda.current_stream(q.device).wait_stream(side)

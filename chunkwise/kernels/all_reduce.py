@@ -43,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fused_norm import add_residual, add_rms_norm_ref, store_norm
-from kernels.tiling import block_rows, cast, num_warps_for
+from chunkwise.kernels.fused_norm import add_residual, add_rms_norm_ref, store_norm
+from chunkwise.kernels.tiling import block_rows, cast, num_warps_for
 
 POLL_EVERY = tl.constexpr(1024)   # flag reads between polls of the abort word and the clock
 
@@ -147,7 +147,7 @@ def _all_reduce_kernel(
 
 class PeerBuffers:
     """One rank's view of the buffers of one all-reduce group (see the module docstring for each): every rank's
-    receive buffer and flags as addresses in this process (peers' mapped in by optimized/peer_memory.py, or plain
+    receive buffer and flags as addresses in this process (peers' mapped in by chunkwise/engine/peer_memory.py, or plain
     tensors of one device when every rank is simulated on it), `cap` elements per rank region, and this rank's
     ticket counter and control words (`abort()`, `gave_up()`). Every rank's flags must be zero before any rank's
     first call."""

@@ -1,4 +1,4 @@
-"""optimized.Engine: the paged, chunked-prefill engine behind the interface both engines share.
+"""chunkwise.Engine: the paged, chunked-prefill engine behind the interface both engines share.
 
 `generate` for batches; `add_request` / `step` / `abort` for streaming. Every request is validated in
 full before any of it touches the scheduler, so a bad request never disturbs the others. A step is
@@ -8,7 +8,7 @@ and the engine goes on as if they had never run. One lock serialises the public 
 share an engine.
 
 `tensor_parallel_size=N` shards the model over N ranks: this process is rank 0 (it schedules, samples and
-postprocesses as with one device) and starts N-1 worker processes (optimized/workers.py). A failure inside a
+postprocesses as with one device) and starts N-1 worker processes (chunkwise/engine/workers.py). A failure inside a
 step's forward cannot be contained there (the ranks' caches may disagree): the engine closes and raises
 TensorParallelError. `close()` (or `with Engine(...) as eng:`) stops the workers; an engine that is garbage
 collected, or still open at interpreter exit, stops them too.
@@ -36,11 +36,11 @@ from chunkwise.requests import prepare_requests, single_prompt
 from chunkwise.sampling import RequestOutput, SamplingParams
 from chunkwise.tokenizer import decode, load_tokenizer
 from chunkwise.weights import load_weights
-from optimized.model_runner import Launched, ModelRunner
-from optimized.page_pool import PagePool
-from optimized.scheduler import ScheduledBatch, Scheduler
-from optimized.sequence import Sequence
-from optimized.workers import TensorParallelError, Workers
+from chunkwise.engine.model_runner import Launched, ModelRunner
+from chunkwise.engine.page_pool import PagePool
+from chunkwise.engine.scheduler import ScheduledBatch, Scheduler
+from chunkwise.engine.sequence import Sequence
+from chunkwise.engine.workers import TensorParallelError, Workers
 
 TQDM_MIN_PROMPTS = 16   # progress bars only for batches worth watching
 
@@ -285,7 +285,7 @@ class Engine:
         done: dict[int, RequestOutput] = {}
         generated = 0
         try:
-            with tqdm(total=len(rids), desc="optimized.Engine.generate", unit="req", disable=not show,
+            with tqdm(total=len(rids), desc="chunkwise.Engine.generate", unit="req", disable=not show,
                       leave=False, delay=0.5) as bar:
                 while len(done) < len(rids):
                     with self._lock:

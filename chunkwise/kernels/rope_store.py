@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fused_norm import _norm_ref, weigh
-from kernels.tiling import block_rows, cast, check_float, num_warps_for
+from chunkwise.kernels.fused_norm import _norm_ref, weigh
+from chunkwise.kernels.tiling import block_rows, cast, check_float, num_warps_for
 
 
 def rope_cos_sin(positions, inv_freq):

@@ -2,7 +2,7 @@
 
 KV cache per layer: k_cache, v_cache [num_pages, page_size, num_kv_heads, head_dim] in the model's dtype;
 slot = page_id * page_size + offset. Step inputs are built on the host with numpy (no per-token Python),
-packed into one buffer per dtype and copied once; block tables live on the device (`BlockTables`).
+packed into one buffer per dtype and copied once; page tables live on the device (`PageTables`).
 Decode-only batches replay CUDA graphs captured per batch-size bucket (rows past the real batch are
 padding: slot -1, so nothing is stored, and their logits are dropped); with cascade attention, each bucket
 has a second graph whose decodes read the shared splits once, its groups in static buffers sized for the
@@ -11,7 +11,7 @@ compiles nothing.
 
 Tensor parallel (`tp`): this runner is one rank's, over its shard; its KV cache holds the rank's KV heads, and
 every rank agrees on the pool size (the smallest any rank can hold). Rank 0's runner (the engine's) has the
-`workers` and sends them each step's HostStep (with the block-table writes it made, since workers have no
+`workers` and sends them each step's HostStep (with the page-table writes it made, since workers have no
 sequences) before its own forward; a worker's runner replays it (`run_host`). Every rank then runs the same
 forward, eager or the same CUDA graph, so the collectives inside match.
 
@@ -32,18 +32,18 @@ import numpy as np
 import psutil
 import torch
 
-from chunkwise.config import ModelConfig
+from chunkwise.model_config import ModelConfig
 from chunkwise.engine_config import EngineConfig
 from chunkwise.sampling import make_generator, sample, token_logprobs
-from kernels.cascade import CascadeGroups, cascade_groups, cascade_item_size
-from kernels.split_kv import DEFAULT_SPLIT_SIZE, split_tile_config
-from optimized.block_tables import BlockTables
-from optimized.model import Model, StepInputs
-from optimized.tensor_parallel import TensorParallel
-from optimized.workers import COLLECTIVE_TIMEOUT
+from chunkwise.kernels.cascade import CascadeGroups, cascade_groups, cascade_item_size
+from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE, split_tile_config
+from chunkwise.engine.page_tables import PageTables
+from chunkwise.engine.model import Model, StepInputs
+from chunkwise.engine.tensor_parallel import TensorParallel
+from chunkwise.engine.workers import COLLECTIVE_TIMEOUT
 
 if TYPE_CHECKING:
-    from optimized.workers import Workers
+    from chunkwise.engine.workers import Workers
 
 # The Triton interpreter runs a split-KV decode (split + merge programs) slower than a one-pass decode
 # for short contexts; on CPU only long sequences take it by default. On GPU every decode does, which is
@@ -60,13 +60,13 @@ class HostStep:
     positions: np.ndarray        # int64 [T]
     slots: np.ndarray            # int64 [T]
     logits_indices: np.ndarray   # int64 [N]
-    rows: np.ndarray             # int64 [B], each sequence's row of BlockTables
+    rows: np.ndarray             # int64 [B], each sequence's row of PageTables
     seq_lens: np.ndarray         # int32 [B], tokens in the cache after this step
     query_start_loc: np.ndarray  # int32 [P + 1], prefill rows only
     num_prefill: int             # P
     cascade: CascadeGroups | None = None   # the decodes' shared splits (host tensors)
-    table_updates: np.ndarray | None = None   # int64 [3, U]: BlockTables writes of this step (rows, cols, pages)
-    table_rows: int = 0                       # rows of the block table after them
+    table_updates: np.ndarray | None = None   # int64 [3, U]: PageTables writes of this step (rows, cols, pages)
+    table_rows: int = 0                       # rows of the page table after them
     # Whether a row samples from the logits or asks for logprobs (SamplingParams.needs_logits): only then does
     # the host read the logits (so the step cannot overlap the next), and under tensor parallelism only then are
     # they gathered whole (each rank's argmax is enough for greedy tokens).
@@ -146,7 +146,7 @@ class ModelRunner:
         shape = (self.num_pages, self.page_size, self.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
-        self.tables = BlockTables(self.max_pages_per_seq, self.device)
+        self.tables = PageTables(self.max_pages_per_seq, self.device)
         self.generators: dict[int, torch.Generator | None] = {}
         # The last launched step's tokens on the device, and each sampling sequence's row in them. Under tensor
         # parallelism a graph step's live in the graphs' pool until the next replay, as Launched.logits do: every
@@ -239,10 +239,10 @@ class ModelRunner:
         return host, [e[0] for e in entries if e[2]]
 
     def _cascade(self, rows: np.ndarray, seq_lens: np.ndarray) -> CascadeGroups | None:
-        """The split-KV decodes' shared splits (decodes in block-table `rows`, holding `seq_lens` tokens), when
+        """The split-KV decodes' shared splits (decodes in page-table `rows`, holding `seq_lens` tokens), when
         cascade attention is on and two of them share one.
 
-        Decided from the block tables alone, and its result is bitwise split-KV's, so a token's bits do not
+        Decided from the page tables alone, and its result is bitwise split-KV's, so a token's bits do not
         depend on its batch-mates. Cheap test first: sharers hold a whole split and the same first page."""
         if not self.cascade or len(rows) < 2:
             return None
@@ -254,7 +254,7 @@ class ModelRunner:
         return groups if groups.num_shared else None
 
     def _upload(self, host: HostStep) -> StepInputs:
-        """Device StepInputs of a host step: one copy per dtype, block tables gathered on the device, pending
+        """Device StepInputs of a host step: one copy per dtype, page tables gathered on the device, pending
         ids filled in from the last step's tokens."""
         p = host.num_prefill
         (ids, pos, slots, logits, prows, drows, pending, src), d64 = self._packed(
@@ -266,8 +266,8 @@ class ModelRunner:
             [host.seq_lens[:p], host.seq_lens[p:], host.query_start_loc]
             + (groups.tensors() if groups is not None else []), torch.int32)
         return StepInputs(input_ids=ids, positions=pos, slot_mapping=slots,
-                          block_tables=self.tables.table.index_select(0, prows), seq_lens=lens,
-                          query_start_loc=qsl, decode_block_tables=self.tables.table.index_select(0, drows),
+                          page_tables=self.tables.table.index_select(0, prows), seq_lens=lens,
+                          query_start_loc=qsl, decode_page_tables=self.tables.table.index_select(0, drows),
                           decode_seq_lens=dlens, logits_indices=logits,
                           cascade=groups.on(*group_tensors) if groups is not None else None)
 
@@ -314,7 +314,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_host(self, host: HostStep) -> None:
-        """A tensor-parallel worker's part of rank 0's step: its block-table writes, then the forward and its
+        """A tensor-parallel worker's part of rank 0's step: its page-table writes, then the forward and its
         collectives. Every rank gets the same argmax tokens as rank 0, so under overlap a worker feeds pending
         tokens from its own device, bit for bit rank 0's."""
         self.tables.apply(host.table_updates, host.table_rows)
@@ -351,7 +351,7 @@ class ModelRunner:
     def _static_buffers(self, max_num_seqs: int):
         """The decode graphs' static inputs (shared by every bucket's graphs) and their staging twins on the host.
 
-        int64 [7 * seg]: ids, positions, slots, logits rows, block-table rows, then (read before the replay, not
+        int64 [7 * seg]: ids, positions, slots, logits rows, page-table rows, then (read before the replay, not
         by the graph) pending rows and their rows in the last step's tokens. int32: seq lens [seg], then the
         cascade graphs' CascadeGroups, each field at `group_at[name]` (offset, capacity), sized for the worst
         step: a sequence shares each split it holds whole with one group at most, so members (and items, of
@@ -398,9 +398,9 @@ class ModelRunner:
                                    split_size=self.split_size)
         return StepInputs(
             input_ids=s64[:bs], positions=s64[seg:seg + bs], slot_mapping=s64[2 * seg:2 * seg + bs],
-            block_tables=self.static_tables[:0], seq_lens=torch.zeros(0, dtype=torch.int32, device=dev),
+            page_tables=self.static_tables[:0], seq_lens=torch.zeros(0, dtype=torch.int32, device=dev),
             query_start_loc=torch.zeros(1, dtype=torch.int32, device=dev),
-            decode_block_tables=self.static_tables[:bs], decode_seq_lens=s32[:bs],
+            decode_page_tables=self.static_tables[:bs], decode_seq_lens=s32[:bs],
             logits_indices=s64[3 * seg:3 * seg + bs], cascade=groups)
 
     def _capture_graphs(self, max_num_seqs: int):
@@ -565,7 +565,7 @@ class ModelRunner:
         """K and V [num_layers, num_tokens, kv_heads, head_dim] of a sequence's first tokens, from its pages
         (with tensor parallelism, every KV head from the rank that holds it)."""
         pos = np.arange(num_tokens)
-        slots = np.asarray(seq.block_table, np.int64)[pos // self.page_size] * self.page_size + pos % self.page_size
+        slots = np.asarray(seq.page_table, np.int64)[pos // self.page_size] * self.page_size + pos % self.page_size
         if self.workers is None:
             return self.kv_at(slots)
         kv = self.workers.together(("kv", slots), lambda: self.kv_at(slots))

@@ -1,4 +1,4 @@
-"""Block tables of the sequences in steps, kept on the device and updated per new page.
+"""Page tables of the sequences in steps, kept on the device and updated per new page.
 
 One row per sequence (row 0 stays zeros: padding rows of a CUDA graph point at it), all of the full width
 max_pages_per_seq, so every step's tables have one stride, and so one kernel specialisation, whatever the
@@ -16,13 +16,13 @@ import torch
 _NO_UPDATES = np.zeros((3, 0), np.int64)
 
 
-class BlockTables:
+class PageTables:
     def __init__(self, width: int, device: torch.device, rows: int = 64):
         self.width = width
         self.device = device
         self.host = np.zeros((rows, width), np.int32)
         self.table = torch.zeros(rows, width, dtype=torch.int32, device=device)   # int32 [rows, width]
-        self._state: dict[int, list] = {}                 # seq_id -> [row, the block_table list synced, entries]
+        self._state: dict[int, list] = {}                 # seq_id -> [row, the page_table list synced, entries]
         self._free = list(range(rows - 1, 0, -1))
         self.updates = _NO_UPDATES                        # the last `rows` call's writes: rows, columns, pages
 
@@ -32,10 +32,10 @@ class BlockTables:
         out = []
         upd_rows, upd_cols, upd_pages = [], [], []
         for seq in seqs:
-            state = self._state.get(seq.seq_id)   # [row, the block_table list synced, entries synced]
+            state = self._state.get(seq.seq_id)   # [row, the page_table list synced, entries synced]
             if state is None:
                 state = self._state[seq.seq_id] = [self._take_row(), None, 0]
-            pages = seq.block_table
+            pages = seq.page_table
             if state[1] is not pages or state[2] != len(pages):
                 n = state[2] if state[1] is pages and state[2] < len(pages) else 0
                 if len(pages) > self.width:
@@ -55,7 +55,7 @@ class BlockTables:
 
     @torch.inference_mode()
     def apply(self, updates: np.ndarray, num_rows: int) -> None:
-        """Another BlockTables' `updates` (int64 [3, U]) written into this device table, grown to num_rows rows."""
+        """Another PageTables' `updates` (int64 [3, U]) written into this device table, grown to num_rows rows."""
         if self.table.shape[0] < num_rows:
             self.table = torch.cat([self.table, self.table.new_zeros(num_rows - self.table.shape[0], self.width)])
         if updates.shape[1]:

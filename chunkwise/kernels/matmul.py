@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tiling import INTERPRET, cast, check_float, dot, precision_for
+from chunkwise.kernels.tiling import INTERPRET, cast, check_float, dot, precision_for
 
 
 def matmul_ref(x, w):
