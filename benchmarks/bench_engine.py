@@ -313,7 +313,7 @@ def kernels_per_layer(eng: Engine) -> float:
             runner.model.forward(inp, runner.kv_caches)
             sync()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return len(kernels) / eng.config.num_layers
+    return len(kernels) / eng.model_config.num_layers
 
 
 def test_hf_generate(benchmark, ckpt, case, ceilings, cost):

@@ -22,7 +22,7 @@ ROUNDS = 100
 def host_only_engine(**kw) -> Engine:
     """A tiny Qwen3 engine whose forward returns seeded random logits [rows to sample, vocab] at once."""
     eng = Engine("tiny-qwen3", dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=NUM_SEQS, **kw)
-    vocab, device = eng.config.vocab_size, eng.runner.device
+    vocab, device = eng.model_config.vocab_size, eng.runner.device
     gen = torch.Generator(device=device).manual_seed(0)
     eng.runner.model.forward = lambda inp, kv_caches: torch.randn(
         inp.logits_indices.shape[0], vocab, generator=gen, device=device)
@@ -32,7 +32,7 @@ def host_only_engine(**kw) -> Engine:
 def submit(eng: Engine, params: SamplingParams) -> None:
     gen = torch.Generator().manual_seed(0)
     for _ in range(NUM_SEQS):
-        eng.add_request(torch.randint(3, eng.config.vocab_size, (PROMPT_LEN,), generator=gen).tolist(), params)
+        eng.add_request(torch.randint(3, eng.model_config.vocab_size, (PROMPT_LEN,), generator=gen).tolist(), params)
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "top-p"])

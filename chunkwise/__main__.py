@@ -73,7 +73,7 @@ def choose_prompt(args, engine) -> tuple[str | list[int], str | None]:
         if args.prompt is not None:
             raise ValueError(f"{args.model} has no tokenizer, so --prompt text cannot be encoded; pass "
                              f"--prompt-ids 1,2,3 (or neither, for a random prompt)")
-        ids = random_prompt(engine.config, args.seed)
+        ids = random_prompt(engine.model_config, args.seed)
         return ids, (f"prompt: {len(ids)} random token ids (seed {args.seed}), as {args.model} has no "
                      f"tokenizer: {ids}")
     return (args.prompt if args.prompt is not None else DEFAULT_PROMPT), None

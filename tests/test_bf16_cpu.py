@@ -26,7 +26,7 @@ def test_bf16_greedy_tokens_equal_the_bf16_reference_until_a_near_tie(name, rand
     ref = chunkwise.reference.Engine(name, dtype="bfloat16", device="cpu")
     # Decodes of sequences past 16 tokens take split-KV and its merge; shorter ones the paged kernel.
     opt = chunkwise.Engine(name, dtype="bfloat16", device="cpu", num_pages=64, split_kv_threshold=16)
-    prompts = [random_prompt(n, opt.config.vocab_size, seed=i) for i, n in enumerate(LENGTHS)]
+    prompts = [random_prompt(n, opt.model_config.vocab_size, seed=i) for i, n in enumerate(LENGTHS)]
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP_K)
 
     outs = opt.generate(prompts, params, chunk_sizes=CHUNKS)

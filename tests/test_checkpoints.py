@@ -58,9 +58,9 @@ def test_overrides_reach_config_json(tiny_ckpt):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_final_norm_is_widened_and_greedy_output_varies(family, reference_engine, random_prompt):
     eng = reference_engine(family)
-    plus_one = eng.config.norm_plus_one
+    plus_one = eng.model_config.norm_plus_one
     assert torch.all(eng.model.w["model.norm.weight"] == (7.0 if plus_one else 8.0))
-    out = eng.generate(random_prompt(16, eng.config.vocab_size), SamplingParams(max_tokens=24, ignore_eos=True))
+    out = eng.generate(random_prompt(16, eng.model_config.vocab_size), SamplingParams(max_tokens=24, ignore_eos=True))
     assert len(set(out[0].token_ids)) >= 8, out[0].token_ids
 
 

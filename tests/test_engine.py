@@ -138,7 +138,7 @@ def test_prefill_kv_is_bitwise_invariant_to_page_size_and_page_placement(ckpt):
     a = Engine(ckpt, page_size=4, num_pages=64, max_model_len=64, enable_prefix_caching=False)
     b = Engine(ckpt, page_size=7, num_pages=64, max_model_len=64, enable_prefix_caching=False)
     b.generate([PROMPTS[0]], GREEDY)     # its freed pages go to the back of the free list: b uses other pages
-    cfg = a.config
+    cfg = a.model_config
     for chunks in ([1, 6, 4], None):
         ka, va = a.prefill_kv(PROMPTS[2], chunk_sizes=chunks)
         kb, vb = b.prefill_kv(PROMPTS[2], chunk_sizes=chunks)

@@ -323,7 +323,7 @@ def test_engine_greedy_tokens_and_logprobs_match_hf(name, case, hf_greedy, real_
 def test_engine_matches_hf_on_gemma_past_its_sliding_window(case, hf_greedy, real_engine, record_property):
     expected = hf_greedy(GEMMA, LONG_PROMPT, LONG_NEW_TOKENS)
     eng = real_engine(case.engine, GEMMA, case.page_size)
-    assert len(expected.prompt_ids) > eng.config.sliding_window
+    assert len(expected.prompt_ids) > eng.model_config.sliding_window
     params = SamplingParams(max_tokens=LONG_NEW_TOKENS, ignore_eos=True, logprobs=TOP_LOGPROBS)
     out = eng.generate(expected.prompt_ids, params, chunk_sizes=case.chunk_sizes(len(expected.prompt_ids)))[0]
     worst = assert_greedy_matches(out, expected, f"{GEMMA} long prompt {case}", LONG_NEW_TOKENS)

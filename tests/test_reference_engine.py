@@ -22,7 +22,7 @@ def eng(reference_engine):
 
 @pytest.fixture(scope="module")
 def prompt(eng, random_prompt):
-    return random_prompt(12, eng.config.vocab_size)
+    return random_prompt(12, eng.model_config.vocab_size)
 
 
 def sampled(eng, prompt, seed):
@@ -37,7 +37,7 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ(eng, prompt):
 
 
 def test_batch_outputs_equal_single_prompt_outputs(eng, prompt, random_prompt):
-    other = random_prompt(7, eng.config.vocab_size, seed=5)
+    other = random_prompt(7, eng.model_config.vocab_size, seed=5)
     params = [SamplingParams(max_tokens=6, ignore_eos=True), SamplingParams(max_tokens=4, ignore_eos=True)]
     batch = eng.generate([prompt, other], params)
     assert [o.token_ids for o in batch] == [eng.generate(p, s)[0].token_ids for p, s in zip([prompt, other], params)]

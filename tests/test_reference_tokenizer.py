@@ -33,7 +33,7 @@ def test_checkpoint_without_tokenizer_has_none_and_no_chat_template(tiny_ckpt):
 def test_empty_text_prompt_is_named(tiny_ckpt_with_tokenizer):
     eng = Engine(tiny_ckpt_with_tokenizer)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
-        encode_prompts(["the dog", ""], eng.tokenizer, eng.config)
+        encode_prompts(["the dog", ""], eng.tokenizer, eng.model_config)
 
 
 def test_lone_surrogate_in_a_text_prompt_is_named(tiny_ckpt_with_tokenizer):

@@ -41,7 +41,7 @@ CASES = {
 def case(request, reference_engine, hf_model, random_prompt):
     family, overrides = CASES[request.param]
     eng = reference_engine(family, **overrides)
-    return eng, hf_model(family, **overrides), random_prompt(PROMPT_LEN, eng.config.vocab_size)
+    return eng, hf_model(family, **overrides), random_prompt(PROMPT_LEN, eng.model_config.vocab_size)
 
 
 def test_logits_match_hf_at_every_position(case):
@@ -64,7 +64,7 @@ def test_greedy_generation_matches_hf_generate(case):
 def test_prefill_kv_matches_hf_past_key_values(case):
     eng, hf, prompt = case
     k, v = eng.prefill_kv(prompt)
-    cfg = eng.config
+    cfg = eng.model_config
     assert k.shape == v.shape == (cfg.num_layers, PROMPT_LEN, cfg.num_kv_heads, cfg.head_dim)
     with torch.no_grad():
         cache = hf(torch.tensor([prompt]), use_cache=True).past_key_values
@@ -82,11 +82,11 @@ def test_sliding_window_changes_logits_past_the_window(name, reference_engine, r
     """Guards the parity tests above against a window that neither side applies."""
     family, overrides = CASES[name]
     eng = reference_engine(family, **overrides)
-    prompt = random_prompt(PROMPT_LEN, eng.config.vocab_size)
+    prompt = random_prompt(PROMPT_LEN, eng.model_config.vocab_size)
     windowed = eng.logits(prompt)
-    unbounded = replace(eng.config, sliding_window=10**9)   # same layer types and RoPE, window never binds
+    unbounded = replace(eng.model_config, sliding_window=10**9)   # same layer types and RoPE, window never binds
     unwindowed = type(eng.model)(unbounded, eng.model.w).forward(torch.tensor(prompt))[0]
-    w = eng.config.sliding_window
+    w = eng.model_config.sliding_window
     torch.testing.assert_close(windowed[:w], unwindowed[:w], rtol=0, atol=1e-5)
     assert (windowed[w:] - unwindowed[w:]).abs().amax(-1).min() > 1e-3
 
@@ -104,7 +104,7 @@ def test_reference_matches_hf_on_cuda(name, tiny_ckpt, random_prompt):
     path = tiny_ckpt(family, **overrides)
     eng = Engine(path, dtype="float32", device="cuda")
     hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).cuda()
-    prompt = random_prompt(PROMPT_LEN, eng.config.vocab_size)
+    prompt = random_prompt(PROMPT_LEN, eng.model_config.vocab_size)
     ids = torch.tensor([prompt], device="cuda")
     with torch.no_grad():
         torch.testing.assert_close(eng.logits(prompt), hf(ids).logits[0], **LOGITS_TOL)
@@ -148,6 +148,6 @@ def test_logits_match_hf_for_drawn_configurations(drawn, prompt_len, seed, tiny_
     path = tiny_ckpt(family, seed=seed, cache_dir=tmp_path_factory.getbasetemp() / "drawn", **overrides)
     eng = Engine(path, device="cpu")
     hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
-    prompt = random_prompt(prompt_len, eng.config.vocab_size, seed)
+    prompt = random_prompt(prompt_len, eng.model_config.vocab_size, seed)
     with torch.no_grad():
         torch.testing.assert_close(eng.logits(prompt), hf(torch.tensor([prompt])).logits[0], **LOGITS_TOL)

@@ -62,7 +62,7 @@ class Driver:
         return seq.token_ids + pending
 
     def step(self) -> tuple[ScheduledBatch, list[Sequence]]:
-        sched, cfg = self.sched, self.sched.config
+        sched, cfg = self.sched, self.sched.engine_config
         assert sched.has_unfinished()
         batch = sched.schedule()
         self.steps += 1
@@ -264,7 +264,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 refs[p] += 1
         assert [p.ref_count for p in bm.pages] == refs
         assert all(not s.page_table and s.num_computed_tokens == 0 for s in self.sched.waiting)
-        assert len(self.sched.running) <= self.sched.config.max_num_seqs
+        assert len(self.sched.running) <= self.sched.engine_config.max_num_seqs
         assert bm.num_free_pages == sum(r == 0 for r in refs)
 
     def teardown(self):

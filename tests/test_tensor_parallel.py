@@ -185,7 +185,7 @@ def test_the_warm_up_reaches_every_token_class_above_the_custom_all_reduce(max_r
 
 def test_each_rank_caches_only_its_kv_heads(case):
     name, _, tp, one, _ = case
-    cfg = tp.config
+    cfg = tp.model_config
     local = cfg.num_kv_heads // 2 if cfg.num_kv_heads >= 2 else 1
     assert tp.runner.kv_caches[0][0].shape[2] == local
     assert one.runner.kv_caches[0][0].shape[2] == cfg.num_kv_heads
@@ -193,7 +193,7 @@ def test_each_rank_caches_only_its_kv_heads(case):
 
 def test_greedy_tokens_equal_the_reference(case):
     name, _, tp, _, ref = case
-    prompts = prompts_for(tp.config.vocab_size)
+    prompts = prompts_for(tp.model_config.vocab_size)
     got = [o.token_ids for o in tp.generate(prompts, GREEDY, chunk_sizes=CHUNKS)]
     assert_same_tokens(ref, prompts, got, [o.token_ids for o in ref.generate(prompts, GREEDY)],
                        f"{name}, tensor_parallel_size=2, page_size=3, chunks {CHUNKS}")
@@ -203,7 +203,7 @@ def test_greedy_tokens_equal_the_reference(case):
 @pytest.mark.slow
 def test_greedy_tokens_equal_one_rank(case):
     name, _, tp, one, ref = case
-    prompts = prompts_for(tp.config.vocab_size)
+    prompts = prompts_for(tp.model_config.vocab_size)
     assert_same_tokens(ref, prompts, [o.token_ids for o in tp.generate(prompts, GREEDY, chunk_sizes=CHUNKS)],
                        [o.token_ids for o in one.generate(prompts, GREEDY, chunk_sizes=CHUNKS)],
                        f"{name}, tensor_parallel_size=2 against 1, page_size=3, chunks {CHUNKS}")
@@ -215,7 +215,7 @@ def test_logprobs_and_sampled_requests_get_the_whole_logits_as_one_rank_has_them
     or sample gathers the whole logits first. Logprobs and seeded samples then match one rank's (float32: the
     logits differ only in their last bits), beside a plain greedy request in the same steps."""
     name, _, tp, one, _ = case
-    prompts = prompts_for(tp.config.vocab_size)[:2]
+    prompts = prompts_for(tp.model_config.vocab_size)[:2]
     first = (SamplingParams(max_tokens=5, ignore_eos=True, logprobs=3) if asks == "logprobs" else
              SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.8, top_k=20, seed=7))
     params = [first, SamplingParams(max_tokens=5, ignore_eos=True)]
@@ -245,9 +245,9 @@ def test_logprobs_and_sampled_requests_get_the_whole_logits_as_one_rank_has_them
 
 def test_prefill_kv_gathers_every_kv_head_once(case):
     name, _, tp, one, ref = case
-    prompt = prompts_for(tp.config.vocab_size)[2]
+    prompt = prompts_for(tp.model_config.vocab_size)[2]
     got = tp.prefill_kv(prompt, chunk_sizes=CHUNKS[2])
-    cfg = tp.config
+    cfg = tp.model_config
     assert got[0].shape == (cfg.num_layers, len(prompt), cfg.num_kv_heads, cfg.head_dim)
     for against, want in (("tensor_parallel_size=1", one.prefill_kv(prompt, chunk_sizes=CHUNKS[2])),
                           ("the reference", ref.prefill_kv(prompt))):

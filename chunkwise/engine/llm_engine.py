@@ -77,19 +77,19 @@ class Engine:
 
     def __init__(self, model, **kwargs):
         self.engine_config = config = EngineConfig(model, **kwargs)
-        self.config, self.dtype, self.device = config.model_config, config.dtype, config.device
+        self.model_config, self.dtype, self.device = config.model_config, config.dtype, config.device
         self.max_model_len, self.page_size = config.max_model_len, config.page_size
         self.tokenizer = load_tokenizer(config.path)
         self._closed: str | None = None                      # why the engine takes no more work, once closed
         if config.tensor_parallel_size == 1:
             self._workers = None
-            weights = load_weights(config.path, self.dtype, self.device, cfg=self.config)
+            weights = load_weights(config.path, self.dtype, self.device, cfg=self.model_config)
             self.runner = ModelRunner(config, weights)
         else:
             self._workers = workers = Workers(config)   # they load their shards while this process loads its own
             self._stop_workers = weakref.finalize(self, workers.close)
             try:
-                weights = load_weights(config.path, self.dtype, self.device, cfg=self.config, shard=workers.tp.shard)
+                weights = load_weights(config.path, self.dtype, self.device, cfg=self.model_config, shard=workers.tp.shard)
                 workers.join()
                 self.runner = workers.together(None, lambda: ModelRunner(config, weights, workers.tp, workers),
                                                wrap=False)
@@ -98,7 +98,7 @@ class Engine:
                 workers.close()
                 raise
         self.page_pool = PagePool(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.page_pool, self.config.eos_token_ids)
+        self.scheduler = Scheduler(config, self.page_pool, self.model_config.eos_token_ids)
         self._claims: dict[int, list[StepOutput]] = {}       # outputs collected by a generate/prefill_kv call
         self._backlog: list[StepOutput] = []                 # streamed requests' outputs made inside those calls
         self._num_ids = 0                                    # request ids handed out: 0 .. _num_ids - 1
@@ -133,7 +133,7 @@ class Engine:
     def _prepare(self, prompts, sampling_params, chunk_sizes) -> list[Sequence]:
         """Validated sequences for a batch of prompts (nothing is scheduled yet)."""
         self._check_open()
-        requests = prepare_requests(self.config, self.tokenizer, self.max_model_len, prompts, sampling_params,
+        requests = prepare_requests(self.model_config, self.tokenizer, self.max_model_len, prompts, sampling_params,
                                     chunk_sizes)
         seqs = [Sequence.from_request(r) for r in requests]
         for i, seq in enumerate(seqs):   # the scheduler's own check, for the whole batch before any is added

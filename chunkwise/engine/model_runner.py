@@ -119,7 +119,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, weights: dict[str, torch.Tensor], tp: TensorParallel | None = None,
                  workers: Workers | None = None):
         cfg = config.model_config
-        self.config, self.cfg = config, cfg
+        self.engine_config, self.cfg = config, cfg
         if tp is not None and config.custom_all_reduce:   # before the KV cache takes the free memory
             tp = tp.with_custom_all_reduce(config.dtype, COLLECTIVE_TIMEOUT)
             if workers is not None:
@@ -166,7 +166,7 @@ class ModelRunner:
 
     def _pool_size(self) -> int:
         """Pages the pool gets: as asked (if memory holds them) or what the memory budget allows."""
-        config = self.config
+        config = self.engine_config
         per_page = page_bytes(self.cfg, self.page_size, self.dtype, self.num_kv_heads)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -508,10 +508,10 @@ class ModelRunner:
         that the step budget allows: their sublayer sums go through NCCL and the unfused norm, which the warm-up's
         small steps never reach."""
         above = self.model.tp.custom.max_rows + 1
-        piece = self.config.max_model_len   # no synthetic sequence is longer than a real one
+        piece = self.engine_config.max_model_len   # no synthetic sequence is longer than a real one
         out = []
         for t in (-(-above // 16) * 16, above if above % 16 else above + 1):
-            if t <= self.config.max_num_batched_tokens:
+            if t <= self.engine_config.max_num_batched_tokens:
                 out.append([piece] * (t // piece) + ([t % piece] if t % piece else []))
         return out
 

@@ -65,7 +65,7 @@ class _Plan:
 class Scheduler:
     def __init__(self, config, page_pool: PagePool, eos_token_ids=()):
         """`config`: the engine's EngineConfig (its max_num_batched_tokens and max_num_seqs are read)."""
-        self.config = config
+        self.engine_config = config
         self.page_pool = page_pool
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -99,7 +99,7 @@ class Scheduler:
         return bool(self.seqs)
 
     def schedule(self) -> ScheduledBatch:
-        plan = _Plan(self.config.max_num_batched_tokens)
+        plan = _Plan(self.engine_config.max_num_batched_tokens)
         alone, self._alone = self._alone, None
         if alone is not None and not alone.is_finished and self._schedule_alone(alone, plan):
             return plan.batch()
@@ -136,7 +136,7 @@ class Scheduler:
         want = seq.next_chunk_end(computed) - computed
         if want <= plan.budget:
             return want
-        if want > self.config.max_num_batched_tokens:
+        if want > self.engine_config.max_num_batched_tokens:
             if not plan.tokens:
                 return want
             self._alone = seq
@@ -167,7 +167,7 @@ class Scheduler:
     def _admit(self, plan: _Plan) -> None:
         """Admit waiting seqs in order while budget, seq cap and pages allow; none in a step that preempted."""
         while self.waiting and not plan.preempted and plan.budget > 0 \
-                and len(self.running) < self.config.max_num_seqs:
+                and len(self.running) < self.engine_config.max_num_seqs:
             seq = self.waiting[0]
             if not self._try_admit(seq, plan):
                 return
@@ -191,7 +191,7 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             n = self._chunk(seq, plan)
             return n > 0 and self._reserve(seq, n, plan)
-        if len(self.running) >= self.config.max_num_seqs:
+        if len(self.running) >= self.engine_config.max_num_seqs:
             return False
         return self._try_admit(seq, plan)
 

@@ -23,17 +23,17 @@ class Engine:
     def __init__(self, model, **kwargs):
         """`kwargs`: EngineConfig's fields; those in `ignored_fields` are validated, then ignored."""
         self.engine_config = config = EngineConfig(model, **kwargs)
-        self.config, self.tokenizer = config.model_config, load_tokenizer(config.path)
+        self.model_config, self.tokenizer = config.model_config, load_tokenizer(config.path)
         self.dtype, self.device, self.max_model_len = config.dtype, config.device, config.max_model_len
-        weights = load_weights(config.path, self.dtype, self.device, cfg=self.config)
-        self.model = ReferenceModel(self.config, weights)
+        weights = load_weights(config.path, self.dtype, self.device, cfg=self.model_config)
+        self.model = ReferenceModel(self.model_config, weights)
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits [T, vocab] float32 at every position of `token_ids`."""
         return self.model.forward(torch.tensor(token_ids, device=self.device))[0]
 
     def _requests(self, prompts, sampling_params, chunk_sizes):
-        return prepare_requests(self.config, self.tokenizer, self.max_model_len, prompts, sampling_params,
+        return prepare_requests(self.model_config, self.tokenizer, self.max_model_len, prompts, sampling_params,
                                 chunk_sizes)
 
     def generate(self, prompts, sampling_params=None, chunk_sizes=None, use_tqdm=None) -> list[RequestOutput]:
@@ -44,7 +44,7 @@ class Engine:
     def _generate_one(self, request_id: int, prompt: list[int], params: SamplingParams) -> RequestOutput:
         out = RequestOutput(request_id, list(prompt), logprobs=[] if params.logprobs is not None else None)
         generator = make_generator(params, self.device)
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.config.eos_token_ids))
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.model_config.eos_token_ids))
         while out.finish_reason is None:
             row = self.logits(prompt + out.token_ids)[-1]
             token = sample(row, params, generator)
