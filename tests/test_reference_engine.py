@@ -131,9 +131,12 @@ def test_unknown_family_and_broken_weights_fail_at_load(tmp_path):
         Engine(ckpt)
 
 
-def test_transformers_does_not_take_our_kernels_package_for_hub_kernels():
+def test_no_top_level_package_of_ours_shadows_another_library():
+    """Everything this project installs lives under `chunkwise`: a top-level `kernels` of ours was taken by
+    transformers for the Hub kernels library."""
     from transformers.utils.import_utils import is_kernels_available
 
-    spec = importlib.util.find_spec("kernels")
-    assert spec is not None and Path(spec.origin).is_relative_to(REPO)     # ours is the one importable
+    for name in ("kernels", "optimized", "reference"):
+        spec = importlib.util.find_spec(name)
+        assert spec is None or not Path(spec.origin).is_relative_to(REPO), f"{name} resolves into this repo"
     assert is_kernels_available() is False
