@@ -286,8 +286,9 @@ class Engine:
         generated = 0
         try:
             with tqdm(total=len(rids), desc="chunkwise.Engine.generate", unit="req", disable=not show,
-                      leave=False, delay=0.5) as bar:
+                      leave=False, delay=0.5, miniters=0) as bar:
                 while len(done) < len(rids):
+                    finished = len(done)
                     with self._lock:
                         self._backlog += self._route(self._step())
                         for r in rids:
@@ -295,9 +296,13 @@ class Engine:
                                 generated += len(o.new_token_ids)
                                 if o.finished:
                                     done[r] = o.output
-                                    bar.update(1)
                             self._claims[r].clear()
+                    # The count first, then update, which redraws (miniters=0: after any step, at most every
+                    # mininterval, and after the last step always): every frame, the last too, shows the count.
                     bar.set_postfix_str(f"{generated} tokens generated", refresh=False)
+                    if len(done) == len(rids):
+                        bar.mininterval = 0
+                    bar.update(len(done) - finished)
         finally:
             with self._lock:
                 for r in rids:
