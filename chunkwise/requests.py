@@ -19,8 +19,8 @@ class Request:
     chunk_sizes: list[int] | None   # the caller's prefill chunk lengths, summing to the prompt length
 
 
-def prepare_requests(model_config: ModelConfig, tokenizer, max_model_len: int, prompts, sampling_params=None,
-                     chunk_sizes=None) -> list[Request]:
+def validate_requests(model_config: ModelConfig, tokenizer, max_model_len: int, prompts, sampling_params=None,
+                      chunk_sizes=None) -> list[Request]:
     """Validated requests for a batch: every prompt, sampling params and chunking is checked before any
     engine touches one, so a bad request raises (naming the prompt index) and disturbs nothing.
 

@@ -32,7 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from chunkwise.engine_config import EngineConfig
-from chunkwise.requests import prepare_requests, single_prompt
+from chunkwise.requests import single_prompt, validate_requests
 from chunkwise.sampling import RequestOutput, SamplingParams
 from chunkwise.tokenizer import decode, load_tokenizer
 from chunkwise.weights import load_weights
@@ -133,8 +133,8 @@ class Engine:
     def _prepare(self, prompts, sampling_params, chunk_sizes) -> list[Sequence]:
         """Validated sequences for a batch of prompts (nothing is scheduled yet)."""
         self._check_open()
-        requests = prepare_requests(self.model_config, self.tokenizer, self.max_model_len, prompts, sampling_params,
-                                    chunk_sizes)
+        requests = validate_requests(self.model_config, self.tokenizer, self.max_model_len, prompts, sampling_params,
+                                     chunk_sizes)
         seqs = [Sequence.from_request(r) for r in requests]
         for i, seq in enumerate(seqs):   # the scheduler's own check, for the whole batch before any is added
             self.scheduler.check_fits(seq, name=f"prompt {i}")
