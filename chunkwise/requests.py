@@ -19,8 +19,8 @@ class Request:
     chunk_sizes: list[int] | None   # the caller's prefill chunk lengths, summing to the prompt length
 
 
-def prepare_requests(model_config: ModelConfig, tokenizer, max_model_len: int, prompts, sampling_params=None,
-                     chunk_sizes=None) -> list[Request]:
+def validate_requests(model_config: ModelConfig, tokenizer, max_model_len: int, prompts, sampling_params=None,
+                      chunk_sizes=None) -> list[Request]:
     """Validated requests for a batch: every prompt, sampling params and chunking is checked before any
     engine touches one, so a bad request raises (naming the prompt index) and disturbs nothing.
 
@@ -56,11 +56,13 @@ def check_against_vocab(params: SamplingParams, vocab_size: int, index: int) -> 
 
 
 def single_prompt(prompt) -> list:
-    """`prompt` as a batch of one; ValueError if it is not one prompt (an API taking exactly one)."""
-    if not is_single_prompt(prompt):
-        raise ValueError(f"expected one prompt (a string or a list of token ids), got {type(prompt).__name__} "
-                         f"{prompt!r:.80}")
-    return [prompt.tolist() if hasattr(prompt, "tolist") else prompt]
+    """`prompt` as a batch of one, for an API taking exactly one; TypeError naming the value if it is not one
+    prompt. An empty one passes, for encode_prompts to refuse by value."""
+    prompt = prompt.tolist() if hasattr(prompt, "tolist") else prompt
+    if not (is_single_prompt(prompt) or (isinstance(prompt, (list, tuple)) and len(prompt) == 0)):
+        raise TypeError(f"expected one prompt (a string or a list of token ids), got {type(prompt).__name__} "
+                        f"{prompt!r:.80}")
+    return [prompt]
 
 
 def is_params(v) -> bool:

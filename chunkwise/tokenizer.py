@@ -45,20 +45,24 @@ def is_single_prompt(prompts) -> bool:
 
 
 def as_prompt_list(prompts) -> list:
-    """One prompt (a string or a list of ids) or a list of prompts, as a list of prompts."""
+    """One prompt (a string or a list of ids) or a list of prompts, as a list of prompts. A wrong type is a
+    TypeError, an empty batch a ValueError, each naming the value."""
     if hasattr(prompts, "tolist"):
         prompts = prompts.tolist()
     if is_single_prompt(prompts):
         return [prompts]
-    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
-        raise ValueError(f"prompts must be a string, a list of token ids, or a non-empty list of those; "
-                         f"got {type(prompts).__name__} {prompts!r:.80}")
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; "
+                        f"got {type(prompts).__name__} {prompts!r:.80}")
+    if len(prompts) == 0:
+        raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of those; got []")
     return list(prompts)
 
 
 def encode_prompts(prompts, tokenizer, cfg: ModelConfig) -> list[list[int]]:
     """Token ids of each prompt. ValueError names the prompt index for an empty prompt, a string
-    without a tokenizer, or a token id outside [0, vocab_size)."""
+    without a tokenizer, or a token id outside [0, vocab_size); TypeError names it and the value for a
+    prompt that is neither a string nor a list, or an id that is not an integer."""
     out = []
     for i, p in enumerate(as_prompt_list(prompts)):
         if hasattr(p, "tolist"):
@@ -77,7 +81,7 @@ def encode_prompts(prompts, tokenizer, cfg: ModelConfig) -> list[list[int]]:
         elif isinstance(p, (list, tuple)):
             ids = list(p)
         else:
-            raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
+            raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__} {p!r:.80}")
         if not ids:
             raise ValueError(f"prompt {i} is empty")
         # One pass over the types at C speed (prompts run to many thousands of ids): a list of plain ints is
@@ -85,7 +89,7 @@ def encode_prompts(prompts, tokenizer, cfg: ModelConfig) -> list[list[int]]:
         if not set(map(type, ids)) <= {int}:
             if not all_ints(ids):
                 bad = next(t for t in ids if not is_int(t))
-                raise ValueError(f"prompt {i} holds {bad!r}, which is not an integer token id")
+                raise TypeError(f"prompt {i} holds {type(bad).__name__} {bad!r}, which is not an integer token id")
             ids = list(map(int, ids))
         bad = _outside(ids, cfg.vocab_size)
         if bad is not None:

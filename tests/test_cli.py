@@ -20,13 +20,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def bars(monkeypatch):
-    """The progress bars the CLI opens, kept to read their final counts."""
+    """The progress bars the CLI opens, kept to read their final counts, with every frame each one drew
+    (`frames`; shown at once, not after the bar's usual delay)."""
     made = []
 
     class Recorded(tqdm):
         def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
+            self.frames = []
+            super().__init__(*a, **{**kw, "delay": 0})
             made.append(self)
+
+        def display(self, msg=None, pos=None):
+            if msg is None:   # a frame (closing the bar displays msg="" to clear the line)
+                self.frames.append(str(self))
+            return super().display(msg, pos)
     monkeypatch.setattr(cli, "tqdm", Recorded)
     monkeypatch.setattr(chunkwise.engine.llm_engine, "tqdm", Recorded)
     return made
@@ -39,6 +46,13 @@ def test_tiny_builtin_with_prompt_ids_runs_both_engines_and_counts_tokens(capsys
     assert out.count("load ") == 2 and out.count("+ generate") == 2      # times include loading
     assert [(b.desc, b.n) for b in bars] == [("chunkwise.Engine.generate", 1), ("chunkwise.reference.Engine", 4)]
     assert bars[0].postfix == "4 tokens generated"
+
+
+def test_live_counter_last_frame_shows_every_generated_token(capsys, bars):
+    """The frame left on screen when generation ends counts all tokens (it once showed the step before's)."""
+    assert cli.main(["--model", "tiny-qwen3", "--prompt-ids", "5,6,7", "--max-tokens", "6", "--no-reference"]) == 0
+    last = bars[0].frames[-1]
+    assert "1/1" in last and "6 tokens generated" in last, bars[0].frames
 
 
 def test_tiny_builtin_without_prompt_takes_a_seeded_random_prompt_and_says_so(capsys, tiny_ckpt):

@@ -27,8 +27,6 @@ def solo(engine):
     ([3, -1, 5], None, "token id -1"),
     ([3, 2 ** 63, 5], None, "token id 9223372036854775808"),   # past int64: no bound check may overflow
     ([3, np.int64(-2), 5], None, "token id -2"),
-    ([3, True, 5], None, "prompt 0 holds True, which is not an integer token id"),
-    ([3, 4.0, 5], None, "prompt 0 holds 4.0, which is not an integer token id"),
     ([3, 4, 5], [3, 0], "chunk size 0"),
     ([3, 4, 5], [2, 2], "sum to 4"),
     ([3] * 60, None, "exceed max_model_len 64"),
@@ -36,6 +34,24 @@ def solo(engine):
 def test_bad_request_raises_value_error_naming_the_value(engine, prompt, chunks, match):
     with pytest.raises(ValueError, match=match):
         engine.generate([prompt], GREEDY, chunk_sizes=[chunks])
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda e: e.generate(42, GREEDY), "prompts must be .* got int 42"),
+    (lambda e: e.generate(None, GREEDY), "prompts must be .* got NoneType None"),
+    (lambda e: e.generate([3.5], GREEDY), "prompt 0 must be a string or a list of token ids, got float 3.5"),
+    (lambda e: e.generate([[3, True, 5]], GREEDY), "prompt 0 holds bool True, which is not an integer token id"),
+    (lambda e: e.generate([[3, 4.0, 5]], GREEDY), "prompt 0 holds float 4.0, which is not an integer token id"),
+    (lambda e: e.add_request(42, GREEDY), "expected one prompt .* got int 42"),
+    (lambda e: e.add_request(None, GREEDY), "expected one prompt .* got NoneType None"),
+    (lambda e: e.add_request([3.5], GREEDY), r"expected one prompt .* got list \[3.5\]"),
+    (lambda e: e.prefill_kv(None), "expected one prompt .* got NoneType None"),
+])
+def test_wrong_prompt_type_raises_type_error_naming_the_value(engine, call, match):
+    """Wrong types are TypeErrors, as in SamplingParams; values out of range stay ValueErrors (above)."""
+    with pytest.raises(TypeError, match=match):
+        call(engine)
     assert not engine.has_unfinished()
 
 

@@ -47,7 +47,8 @@ def assert_idle_and_whole(eng):
     (lambda e: e.generate([[1, 2]], {"max_tokens": 4}), TypeError, "sampling_params must be a SamplingParams.*dict"),
     (lambda e: e.generate([[1, 2]], SamplingParams(logprobs=1000)), ValueError, "logprobs=1000 exceeds .* 384"),
     (lambda e: e.generate([[1, 2]], SamplingParams(stop_token_ids=(3, 384))), ValueError, r"stop_token_ids \[384\]"),
-    (lambda e: e.add_request([[1, 2], [3]], GREEDY), ValueError, "expected one prompt"),
+    (lambda e: e.add_request([[1, 2], [3]], GREEDY), TypeError, r"expected one prompt .* got list \[\[1, 2\], \[3\]\]"),
+    (lambda e: e.add_request([], GREEDY), ValueError, "prompt 0 is empty"),
     (lambda e: e.abort(12345), ValueError, "no request with id 12345"),
 ])
 def test_bad_request_is_refused_by_name_and_leaves_the_engine_whole(engine, solo, call, error, match):

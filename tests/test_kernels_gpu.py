@@ -1,6 +1,7 @@
 """The kernels at production sizes on a GPU, in bf16, fp16 and fp32: against the references and invariance.
 
-Error measure (METHOD.md): ||out - ref|| / ||ref|| against the float32 reference on the same inputs.
+Error measure (docs/ARCHITECTURE.md, Test tiers): ||out - ref|| / ||ref|| against the float32 reference on the
+same inputs.
 Bounds and why: fp32 uses IEEE dots, so only exp2-vs-exp and summation order differ (~1e-6; bound 1e-5);
 fp16 rounds P and the output to 11 bits (~5e-4 per element; bound 2e-3); bf16 to 8 bits (~4e-3 per
 element, ~2-3e-3 in norm; bound 1e-2).

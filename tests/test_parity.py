@@ -1,4 +1,4 @@
-"""chunkwise.Engine against chunkwise.reference.Engine in float32 (the strict tier of DESIGN.md).
+"""chunkwise.Engine against chunkwise.reference.Engine in float32 (the strict tier of docs/ARCHITECTURE.md).
 
 Hypothesis draws the family and a tiny configuration, a batch of prompts (some sharing prefixes, some
 repeating one page of tokens, some long enough for several KV tiles), chunk boundaries (some on tile, split

@@ -1,4 +1,5 @@
-"""The low-precision tier of DESIGN.md on the GPU: chunkwise.Engine against chunkwise.reference.Engine in bf16.
+"""The low-precision tier (docs/ARCHITECTURE.md, Test tiers) on the GPU: chunkwise.Engine against
+chunkwise.reference.Engine in bf16.
 
 Tokens must agree up to the first divergence; there each side's token must be in the other's top-k and
 the reference must have been nearly undecided between them (vLLM's check_logprobs_close rule, in

@@ -23,7 +23,8 @@ import torch
 from chunkwise.checkpoint_cache import MARKER, cached_dir
 from chunkwise.checkpoints import resolve_model
 from chunkwise.model_config import ModelConfig
-from chunkwise.real_checkpoints import CHECKPOINTS, Part, RealCheckpoint, assemble, checkpoint, part_paths, prepare
+from chunkwise.real_checkpoints import (CHECKPOINTS, Part, RealCheckpoint, assemble, checkpoint, ensure_converted,
+                                        part_paths)
 from chunkwise.sampling import SamplingParams
 
 # One xdist worker runs them all, so two of their 0.5B-parameter float32 models never sit in memory at once.
@@ -80,7 +81,7 @@ class HFGreedy:
 @pytest.fixture(scope="session")
 def real_dir():
     """real_dir(name) -> the converted checkpoint directory (converted once per machine, then cached)."""
-    return prepare
+    return ensure_converted
 
 
 @pytest.fixture(scope="session")
@@ -217,7 +218,7 @@ def test_missing_package_says_install_the_real_extra():
 
 def test_unknown_real_checkpoint_name_is_a_value_error():
     with pytest.raises(ValueError, match="'gemma3-9000b'"):
-        prepare("gemma3-9000b")
+        ensure_converted("gemma3-9000b")
 
 
 # --- the cache -------------------------------------------------------------------------------------------

@@ -105,6 +105,17 @@ def test_bad_requests_raise_value_error(eng, prompts, kwargs, message):
         eng.generate(prompts, **kwargs)
 
 
+@pytest.mark.parametrize("prompts, message", [
+    (42, "prompts must be .* got int 42"),
+    (None, "prompts must be .* got NoneType None"),
+    ([3.5], "prompt 0 must be a string or a list of token ids, got float 3.5"),
+    ([[5], [5, 4.0]], "prompt 1 holds float 4.0, which is not an integer token id"),
+])
+def test_wrong_prompt_types_raise_type_error_naming_the_value(eng, prompts, message):
+    with pytest.raises(TypeError, match=message):
+        eng.generate(prompts)
+
+
 def test_max_tokens_below_one_is_rejected():
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)

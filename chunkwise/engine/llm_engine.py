@@ -32,7 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from chunkwise.engine_config import EngineConfig
-from chunkwise.requests import prepare_requests, single_prompt
+from chunkwise.requests import single_prompt, validate_requests
 from chunkwise.sampling import RequestOutput, SamplingParams
 from chunkwise.tokenizer import decode, load_tokenizer
 from chunkwise.weights import load_weights
@@ -133,8 +133,8 @@ class Engine:
     def _prepare(self, prompts, sampling_params, chunk_sizes) -> list[Sequence]:
         """Validated sequences for a batch of prompts (nothing is scheduled yet)."""
         self._check_open()
-        requests = prepare_requests(self.model_config, self.tokenizer, self.max_model_len, prompts, sampling_params,
-                                    chunk_sizes)
+        requests = validate_requests(self.model_config, self.tokenizer, self.max_model_len, prompts, sampling_params,
+                                     chunk_sizes)
         seqs = [Sequence.from_request(r) for r in requests]
         for i, seq in enumerate(seqs):   # the scheduler's own check, for the whole batch before any is added
             self.scheduler.check_fits(seq, name=f"prompt {i}")
@@ -286,8 +286,9 @@ class Engine:
         generated = 0
         try:
             with tqdm(total=len(rids), desc="chunkwise.Engine.generate", unit="req", disable=not show,
-                      leave=False, delay=0.5) as bar:
+                      leave=False, delay=0.5, miniters=0) as bar:
                 while len(done) < len(rids):
+                    finished = len(done)
                     with self._lock:
                         self._backlog += self._route(self._step())
                         for r in rids:
@@ -295,9 +296,13 @@ class Engine:
                                 generated += len(o.new_token_ids)
                                 if o.finished:
                                     done[r] = o.output
-                                    bar.update(1)
                             self._claims[r].clear()
+                    # The count first, then update, which redraws (miniters=0: after any step, at most every
+                    # mininterval, and after the last step always): every frame, the last too, shows the count.
                     bar.set_postfix_str(f"{generated} tokens generated", refresh=False)
+                    if len(done) == len(rids):
+                        bar.mininterval = 0
+                    bar.update(len(done) - finished)
         finally:
             with self._lock:
                 for r in rids:

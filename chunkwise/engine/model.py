@@ -2,9 +2,9 @@
 
 Independent of `reference/` on purpose: a bug shared by both would hide from the parity suite.
 Per layer, the new tokens' K/V go into the paged cache first (`rope_store`, fused with q/k-norm and RoPE);
-attention then reads pages only, so prefill, chunked prefill and decode read K/V the same way (DESIGN.md,
-point 3). Each residual add is folded into the norm after it (`add_rms_norm`), so a decode layer is: norm,
-QKV GEMM, rope_store, attention, O GEMM, norm, gate_up GEMM, act_and_mul, down GEMM.
+attention then reads pages only, so prefill, chunked prefill and decode read K/V the same way
+(docs/ARCHITECTURE.md, lesson 3). Each residual add is folded into the norm after it (`add_rms_norm`), so a
+decode layer is: norm, QKV GEMM, rope_store, attention, O GEMM, norm, gate_up GEMM, act_and_mul, down GEMM.
 
 Deterministic mode (`deterministic=True`): every op on a token's path gives that token the same bits whatever its
 batch-mates, chunk boundaries or page size, and whether prefill, decode or a recompute computes it. The GEMMs take

@@ -1,8 +1,8 @@
 """The page pool: per-sequence page tables (a sequence's list of page ids, the field's usual name), reference counts, and the prefix cache of full pages.
 
 A full page is cached under a hash chain over every token before it plus its own tokens, so a page is
-reused only under exactly the same prefix (DESIGN.md, lesson 2). Its key in the cache is its parent's chain
-hash followed by its own token ids' bytes, so a lookup compares the tokens exactly and everything before them
+reused only under exactly the same prefix (docs/ARCHITECTURE.md, lesson 2). Its key in the cache is its parent's
+chain hash followed by its own token ids' bytes, so a lookup compares the tokens exactly and everything before them
 by sha256; its own chain hash (sha256 over that key) is the parent part of its successors' keys. A probe thus
 computes no hash: a prompt's pages are looked up by key alone, and only a page becoming full is hashed once.
 A page is in exactly one of three states:

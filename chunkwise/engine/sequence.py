@@ -40,7 +40,7 @@ class Sequence:
 
     @classmethod
     def from_request(cls, request: Request) -> Sequence:
-        """A new sequence (id -1 until it is submitted) of a request from `prepare_requests`, which checked its
+        """A new sequence (id -1 until it is submitted) of a request from `validate_requests`, which checked its
         tokens and chunk sizes into lists of its own: taken as they are. Checking a prompt of thousands of ids
         again cost as much host time as the rest of its admission."""
         seq = cls.__new__(cls)

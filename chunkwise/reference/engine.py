@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from chunkwise.engine_config import REFERENCE_IGNORED, EngineConfig
-from chunkwise.requests import prepare_requests, single_prompt
+from chunkwise.requests import single_prompt, validate_requests
 from chunkwise.sampling import RequestOutput, SamplingParams, make_generator, sample, token_logprobs
 from chunkwise.tokenizer import decode, load_tokenizer
 from chunkwise.weights import load_weights
@@ -33,8 +33,8 @@ class Engine:
         return self.model.forward(torch.tensor(token_ids, device=self.device))[0]
 
     def _requests(self, prompts, sampling_params, chunk_sizes):
-        return prepare_requests(self.model_config, self.tokenizer, self.max_model_len, prompts, sampling_params,
-                                chunk_sizes)
+        return validate_requests(self.model_config, self.tokenizer, self.max_model_len, prompts, sampling_params,
+                                 chunk_sizes)
 
     def generate(self, prompts, sampling_params=None, chunk_sizes=None, use_tqdm=None) -> list[RequestOutput]:
         """One output per prompt, in order; `use_tqdm` is accepted for interface parity (no progress bar)."""
