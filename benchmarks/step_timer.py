@@ -1,4 +1,4 @@
-"""Step-time breakdown of an chunkwise.Engine: schedule / prepare / forward / sample / postprocess per step.
+"""Step-time breakdown of a chunkwise.Engine: schedule / prepare / forward / sample / postprocess per step.
 
 Wraps the engine's own methods on the instance (nothing in the engine changes). With device_sync (for a
 synchronous engine) it synchronises the device after the forward, so the forward's GPU time is its own and
