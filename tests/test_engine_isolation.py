@@ -166,7 +166,7 @@ class FaultyTraffic(RuleBasedStateMachine):
         self.got[rid] = []
 
     @precondition(lambda self: self.engine.has_unfinished())
-    @rule(fault=st.sampled_from([None, "run", "sample"]))   # which part of the step raises, if any
+    @rule(fault=st.sampled_from([None, "execute", "sample"]))   # which part of the step raises, if any
     def step(self, fault):
         CONTEXT["fault"] = fault
         for r in self.engine.step():
@@ -214,7 +214,7 @@ def test_injected_faults_never_leak_pages_stall_requests_or_change_other_outputs
     solo = [engines[False].generate([p], GREEDY)[0].token_ids for p in PROMPTS]
     CONTEXT.update(engines=engines, solo=solo, fault=None)
     for engine in engines.values():
-        fail_on(engine, monkeypatch, "run", lambda: CONTEXT["fault"] == "run")
+        fail_on(engine, monkeypatch, "execute", lambda: CONTEXT["fault"] == "execute")
         fail_on(engine, monkeypatch, "sample", lambda: CONTEXT["fault"] == "sample")
     run_state_machine_as_test(FaultyTraffic, settings=settings(max_examples=settings().max_examples,
                                                               stateful_step_count=15))
