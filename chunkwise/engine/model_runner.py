@@ -66,7 +66,6 @@ class ModelRunner:
         self.cascade = config.cascade_attention and not config.deterministic
         self.cascade_item_size = cascade_item_size(cfg.head_dim, self.num_heads // self.num_kv_heads)
         self.kv = KVCache(config, self.num_kv_heads, self.device, tp)
-        self.num_pages = self.kv.num_pages
         self.tables = PageTables(config.max_pages_per_seq, self.device)
         # The last launched step's tokens on the device, and each sampling sequence's row in them. Under tensor
         # parallelism a graph step's live in the graphs' pool until the next replay, as Launched.logits do: every

@@ -16,6 +16,7 @@ also when it is why sampling failed.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -40,7 +41,7 @@ class Executor:
     def _hold(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.sampler = Sampler(runner.device)
-        self.num_pages = runner.num_pages
+        self.num_pages = runner.kv.num_pages
 
     @property
     def failure(self) -> str | None:
@@ -94,7 +95,7 @@ class MultiprocExecutor(Executor):
         """As on one device, the prepared step sent to every worker before rank 0's forward."""
         return self.runner.run(batch, self._on_every_rank)
 
-    def _on_every_rank(self, host: HostStep, forward) -> Forward:
+    def _on_every_rank(self, host: HostStep, forward: Callable[[], Forward]) -> Forward:
         return self.workers.together(StepMessage(host), forward)
 
     def sample(self, step: Launched) -> Sampled:

@@ -38,7 +38,6 @@ from datetime import timedelta
 from multiprocessing.connection import wait
 
 import numpy as np
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -50,7 +49,7 @@ from chunkwise.engine.model_runner import ModelRunner
 from chunkwise.engine.parallel.tensor_parallel import CollectiveGuard, TensorParallel
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)   # one collective, and the start-up rendezvous
-CLOSE_GRACE_S = 10.0                         # a worker's time to exit after "close" before it is terminated
+CLOSE_GRACE_S = 10.0                         # a worker's time to exit after Close() before it is terminated
 EXIT_GRACE_S = 2.0                           # after a failed collective, time for a dying worker's exit to show
 HOST = "127.0.0.1"
 
@@ -88,7 +87,8 @@ def _backend(device: torch.device) -> str:
 
 
 class Workers:
-    """Ranks 1..N-1 of an engine with tensor_parallel_size N, seen from rank 0."""
+    """Ranks 1..N-1 of an engine with tensor_parallel_size N, seen from rank 0, and rank 0's runner, built beside
+    theirs (`start`)."""
 
     def __init__(self, config: EngineConfig):
         if dist.is_initialized():
@@ -162,7 +162,8 @@ class Workers:
 
     # ---- steps -------------------------------------------------------------------------------------
     def together(self, command, fn, wrap: bool = True):
-        """Sends `command` (None: nothing) to every worker, then returns fn(), rank 0's part of it.
+        """Sends `command` (a StepMessage or GatherKV; None: nothing) to every worker, then returns fn(), rank 0's
+        part of it.
 
         On a failure the workers are torn down: a worker's failure raises TensorParallelError naming it; rank 0's
         own exception is raised as TensorParallelError (wrap) or as itself; KeyboardInterrupt goes on as itself."""
