@@ -253,7 +253,7 @@ def test_optimized_engine(benchmark, ckpt, case, ceilings, cost):
         tokens, seconds = benchmark.pedantic(run_engine, args=(eng, w), rounds=1, iterations=1)
         timed_compiles = COMPILED[compiles:]
         record(name, "optimized", tokens, seconds, roof, benchmark, compiles=len(timed_compiles),
-               num_pages=eng.runner.num_pages, cuda_graphs=len(eng.runner.graphs))
+               num_pages=eng.executor.num_pages, cuda_graphs=len(eng.executor.runner.graphs))
         if BREAKDOWN:
             breakdown(name, "optimized", eng, spec, cost, ceilings)
             print(f"[{name}] kernels per layer, eager decode forward of 64 sequences: {kernels_per_layer(eng):.1f}")
@@ -303,14 +303,14 @@ def kernels_per_layer(eng: Engine) -> float:
     """GPU kernels an eager decode forward of 64 sequences launches, per layer (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from chunkwise.engine.model_runner import _synthetic_step
-    runner = eng.runner
-    inp = runner._upload(_synthetic_step([], 64))
+    from chunkwise.engine.host_step import synthetic_step
+    runner = eng.executor.runner
+    inp = runner._upload(synthetic_step([], 64))
     with torch.inference_mode():
-        runner.model.forward(inp, runner.kv_caches)
+        runner.model.forward(inp, runner.kv.layers)
         sync()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            runner.model.forward(inp, runner.kv_caches)
+            runner.model.forward(inp, runner.kv.layers)
             sync()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return len(kernels) / eng.model_config.num_layers

@@ -22,9 +22,9 @@ ROUNDS = 100
 def host_only_engine(**kw) -> Engine:
     """A tiny Qwen3 engine whose forward returns seeded random logits [rows to sample, vocab] at once."""
     eng = Engine("tiny-qwen3", dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=NUM_SEQS, **kw)
-    vocab, device = eng.model_config.vocab_size, eng.runner.device
+    vocab, device = eng.model_config.vocab_size, eng.executor.runner.device
     gen = torch.Generator(device=device).manual_seed(0)
-    eng.runner.model.forward = lambda inp, kv_caches: torch.randn(
+    eng.executor.runner.model.forward = lambda inp, kv_caches: torch.randn(
         inp.logits_indices.shape[0], vocab, generator=gen, device=device)
     return eng
 
@@ -46,7 +46,7 @@ def test_decode_step_host_overhead(benchmark, sampling):
     benchmark.group = GROUP
     steps = benchmark.pedantic(eng.step, rounds=ROUNDS, iterations=1, warmup_rounds=5)
     assert len(steps) == NUM_SEQS and all(len(s.new_token_ids) == 1 for s in steps)
-    benchmark.extra_info.update(sequences=NUM_SEQS, sampling=sampling, device=str(eng.runner.device),
+    benchmark.extra_info.update(sequences=NUM_SEQS, sampling=sampling, device=str(eng.executor.runner.device),
                                 note="forward stubbed out; host work only; not a performance figure")
 
 

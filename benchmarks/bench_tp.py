@@ -223,7 +223,7 @@ def test_engine_throughput(benchmark, ckpt, setup, label, tp, custom):
     runs = {}
     try:
         construct = time.perf_counter() - start
-        if custom and eng.runner.tp.custom is None:   # its row would show NCCL's numbers
+        if custom and eng.executor.runner.tp.custom is None:   # its row would show NCCL's numbers
             pytest.skip("the custom all-reduce cannot run on these GPUs (the engine's warning says why)")
         run_engine(eng, make_workload(WORKLOADS["engine"], LLAMA3_8B_SHAPE["vocab_size"], seed=1)
                    .head(FIRST_RUN_REQUESTS))
@@ -235,7 +235,7 @@ def test_engine_throughput(benchmark, ckpt, setup, label, tp, custom):
         timed_compiles = COMPILED[compiles:]
         comm = communication_share(eng) if tp > 1 else {}   # one GPU runs no collective
         windows = {name: decode_window(eng, WINDOW_SEQS[name]) for name in WORKLOADS}
-        num_pages, graphs = eng.runner.num_pages, len(eng.runner.graphs)
+        num_pages, graphs = eng.executor.num_pages, len(eng.executor.runner.graphs)
     finally:   # the KV cache fills the GPUs: free them (and stop the worker) even when a check failed
         eng.close()
         del eng

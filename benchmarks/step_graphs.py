@@ -16,7 +16,7 @@ import triton.testing
 from benchmarks.bench_engine import QWEN3_0_6B_SHAPE
 from chunkwise.checkpoints import tiny_checkpoint
 from chunkwise.engine import Engine
-from chunkwise.engine.model_runner import _synthetic_step
+from chunkwise.engine.host_step import synthetic_step
 
 STEPS = {   # name: (prefill chunk lengths, decodes)
     "prefill 8192": ([8192], 0),
@@ -31,13 +31,13 @@ def main():
     ckpt = tiny_checkpoint("qwen3", seed=0, **QWEN3_0_6B_SHAPE)
     eng = Engine(ckpt, dtype="bfloat16", max_model_len=8192 + 144, max_num_batched_tokens=8192, max_num_seqs=256,
                  enforce_eager=True, gpu_memory_utilization=0.5)
-    runner = eng.runner
+    runner = eng.executor.runner
     print(f"{'step':30} {'eager ms':>9} {'graph ms':>9} {'graph/eager':>11}")
     for name, (chunks, decodes) in STEPS.items():
-        inp = runner._upload(_synthetic_step(chunks, decodes))
+        inp = runner._upload(synthetic_step(chunks, decodes))
         with torch.inference_mode():
             def eager():
-                return runner.model.forward(inp, runner.kv_caches)
+                return runner.model.forward(inp, runner.kv.layers)
             eager()
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()

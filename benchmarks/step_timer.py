@@ -25,11 +25,11 @@ class StepTimer:
         self.engine = engine
         self.steps: list[dict] = []
         self._current: dict = {}
-        runner, sched = engine.runner, engine.scheduler
+        executor, sched = engine.executor, engine.scheduler
         self._wrap(sched, "schedule", "schedule")
-        self._wrap(runner, "prepare", "prepare")
-        self._wrap(runner, "forward", "forward", sync=device_sync, inspect=self._inspect)
-        self._wrap(runner, "sample", "sample")
+        self._wrap(executor.runner, "prepare", "prepare")
+        self._wrap(executor.runner, "forward", "forward", sync=device_sync, inspect=self._inspect)
+        self._wrap(executor, "sample", "sample")
         self._wrap(sched, "postprocess", "postprocess")
         self._wrap(engine, "_step", "step", new_step=True)
 

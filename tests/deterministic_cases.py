@@ -100,7 +100,7 @@ def run_case(model, prompts: list[list[int]], case: Case, max_tokens: int, deter
             if out.finished:
                 tokens[prompt_of[out.request_id]] = out.output.token_ids
         for seq in eng.scheduler.running:
-            kv[prompt_of[seq.seq_id]] = eng.runner.gather_kv(seq, seq.num_computed_tokens)
+            kv[prompt_of[seq.seq_id]] = eng.executor.gather_kv(seq, seq.num_computed_tokens)
             preemptions = max(preemptions, seq.num_preemptions)
         step += 1
     first = case.arrivals[0].prompt

@@ -67,7 +67,7 @@ def drive(engine, specs, solo):
                 outputs[k] = engine.abort(rid)
     pool = engine.page_pool
     assert pool.num_free_pages == pool.num_pages, "pages leaked"
-    assert not engine.runner.generators, "a finished request's generator was kept"
+    assert not engine.executor.sampler.generators, "a finished request's generator was kept"
     return [(outputs[k], streamed[k]) for k in range(len(specs))]
 
 

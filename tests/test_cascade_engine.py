@@ -33,13 +33,13 @@ def run(ckpt, prompts, page_size, chunks, cascade):
     eng = Engine(ckpt, page_size=page_size, num_pages=256, max_model_len=MAX_MODEL_LEN, split_size=SPLIT,
                  split_kv_threshold=0, cascade_attention=cascade)
     grouped = []
-    real = eng.runner._cascade
+    real = eng.executor.runner._cascade
 
     def spy(*args):
         groups = real(*args)
         grouped.append(0 if groups is None else groups.num_shared)
         return groups
-    eng.runner._cascade = spy
+    eng.executor.runner._cascade = spy
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     # The first request caches the shared prompt (a system prompt); the others then arrive together, take
     # its pages and decode side by side.
@@ -56,7 +56,7 @@ def run(ckpt, prompts, page_size, chunks, cascade):
     kv = eng.prefill_kv(prompts[-1])
     assert eng.page_pool.num_free_pages == eng.page_pool.num_pages
     return [outs[r].token_ids for r in rids], [outs[r].num_cached_tokens for r in rids], kv, grouped, \
-        eng.runner.launches
+        eng.executor.runner.launches
 
 
 @settings(max_examples=settings().max_examples // 5)   # ci: 2 drawn besides the pinned ones
@@ -97,8 +97,9 @@ def test_cascade_steps_over_the_graphs_static_inputs_equal_eager_and_split_kv_st
     eng = Engine(ckpt, page_size=16, num_pages=256, max_model_len=MAX_MODEL_LEN, split_size=SPLIT,
                  split_kv_threshold=0, cascade_attention=True, max_num_seqs=max_seqs, enforce_eager=True,
                  async_scheduling=False)   # the schedule the row counts below are planned for, on any device
-    runner = eng.runner
-    runner._static_buffers(max_seqs)
+    runner = eng.executor.runner
+    graphs = runner.graphs
+    graphs.allocate(max_seqs)
     eager_forward, rows_seen, kinds = runner.forward, [], Counter()
 
     def forward(host):
@@ -106,19 +107,19 @@ def test_cascade_steps_over_the_graphs_static_inputs_equal_eager_and_split_kv_st
         kinds["mixed" if host.num_prefill else "cascade decode" if host.cascade is not None else "decode"] += 1
         if host.num_prefill or len(host.logits_indices) != len(host.rows):
             return logits, None
-        static = runner._static_forward(host)
+        static = graphs.static_forward(host, runner.tables.table, runner.last_tokens)
         if host.cascade is not None:
             # The graph's groups hold the step's (their results alone cannot tell: no sharing is split-KV too),
             # and padding rows share nothing.
-            d, bs = len(host.rows), min(b for b in runner.buckets if b >= len(host.rows))
-            staged = runner._static_inputs(bs, cascade=True).cascade
+            d, bs = len(host.rows), min(b for b in graphs.buckets if b >= len(host.rows))
+            staged = graphs.static_inputs(bs, cascade=True).cascade
             for name, t in zip(CascadeGroups.TENSORS, host.cascade.tensors()):
                 assert torch.equal(getattr(staged, name)[:len(t)].cpu(), t.cpu()), name   # staged on the device
             assert not staged.shared_splits[d:].any() and staged.shared_splits.shape == (bs,)
             plain = dataclasses.replace(host, cascade=None)
-            assert torch.equal(static, runner._static_forward(plain))
-            assert torch.equal(logits, runner.model.forward(runner._upload(plain), runner.kv_caches))
-            if len(host.rows) in runner.buckets:
+            assert torch.equal(static, graphs.static_forward(plain, runner.tables.table, runner.last_tokens))
+            assert torch.equal(logits, runner.model.forward(runner._upload(plain), runner.kv.layers))
+            if len(host.rows) in graphs.buckets:
                 assert torch.equal(static, logits)
             rows_seen.append(len(host.rows))
         return static, None   # the engine goes on with what the replay would give
@@ -132,6 +133,6 @@ def test_cascade_steps_over_the_graphs_static_inputs_equal_eager_and_split_kv_st
 
     assert not any(o.error for o in outs), [o.error for o in outs]   # a check above failed inside a step
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref.generate(prompts[1:], params)]
-    assert any(d in runner.buckets for d in rows_seen) and any(d not in runner.buckets for d in rows_seen), \
+    assert any(d in graphs.buckets for d in rows_seen) and any(d not in graphs.buckets for d in rows_seen), \
         f"cascade decode steps of {rows_seen} rows: a padded and an unpadded bucket are both needed"
     assert runner.launches == Counter({(kind, "eager"): n for kind, n in kinds.items()})

@@ -36,7 +36,7 @@ def solo(engine):
 def assert_idle_and_whole(eng):
     assert not eng.has_unfinished()
     assert eng.page_pool.num_free_pages == eng.page_pool.num_pages, "pages leaked"
-    assert not eng.runner.generators, "a finished request's generator was kept"
+    assert not eng.executor.sampler.generators, "a finished request's generator was kept"
 
 
 @pytest.mark.parametrize("call, error, match", [
@@ -111,17 +111,17 @@ def test_default_cpu_pool_is_sized_for_the_running_sequences_not_the_ram(ckpt):
 
 
 def fail_on(engine, monkeypatch, part: str, when):
-    """Make runner.<part> raise whenever when() is true."""
-    real = getattr(engine.runner, part)
+    """Make executor.<part> raise whenever when() is true."""
+    real = getattr(engine.executor, part)
 
     def faulty(*args, **kwargs):
         if when():
             raise RuntimeError(f"injected fault in {part}")
         return real(*args, **kwargs)
-    monkeypatch.setattr(engine.runner, part, faulty)
+    monkeypatch.setattr(engine.executor, part, faulty)
 
 
-@pytest.mark.parametrize("part", ["run", "sample"])
+@pytest.mark.parametrize("part", ["execute", "sample"])
 def test_a_failing_step_ends_only_its_requests_with_the_error(engine, solo, monkeypatch, part):
     calls = []
     fail_on(engine, monkeypatch, part, lambda: calls.append(1) or len(calls) == 2)
@@ -134,7 +134,7 @@ def test_a_failing_step_ends_only_its_requests_with_the_error(engine, solo, monk
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == solo
 
 
-@pytest.mark.parametrize("part", ["run", "sample"])
+@pytest.mark.parametrize("part", ["execute", "sample"])
 def test_a_failing_step_leaves_the_step_before_it_whole(engine, solo, monkeypatch, part):
     """Under overlap the step before a failing one may still be in flight when it fails: that step is
     postprocessed as if nothing had failed. Here it gives request 0 its last token (request 0 is not in the
@@ -167,7 +167,7 @@ class FaultyTraffic(RuleBasedStateMachine):
         self.got[rid] = []
 
     @precondition(lambda self: self.engine.has_unfinished())
-    @rule(fault=st.sampled_from([None, "run", "sample"]))   # which part of the step raises, if any
+    @rule(fault=st.sampled_from([None, "execute", "sample"]))   # which part of the step raises, if any
     def step(self, fault):
         CONTEXT["fault"] = fault
         for r in self.engine.step():
@@ -215,7 +215,7 @@ def test_injected_faults_never_leak_pages_stall_requests_or_change_other_outputs
     solo = [engines[False].generate([p], GREEDY)[0].token_ids for p in PROMPTS]
     CONTEXT.update(engines=engines, solo=solo, fault=None)
     for engine in engines.values():
-        fail_on(engine, monkeypatch, "run", lambda: CONTEXT["fault"] == "run")
+        fail_on(engine, monkeypatch, "execute", lambda: CONTEXT["fault"] == "execute")
         fail_on(engine, monkeypatch, "sample", lambda: CONTEXT["fault"] == "sample")
     run_state_machine_as_test(FaultyTraffic, settings=settings(max_examples=settings().max_examples,
                                                               stateful_step_count=15))

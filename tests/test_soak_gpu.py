@@ -46,7 +46,7 @@ def soak(device: str, num_requests: int, seed: int = 0, checked: int = 40) -> di
     eng = Engine(ckpt, dtype="float32", device=device, page_size=page_size, num_pages=96, max_model_len=512,
                  max_num_batched_tokens=512, max_num_seqs=48)
     stats = dict(requests=num_requests, steps=0, preemptions=0, aborts=0, faults=0, errored=0, finished=0)
-    schedule, run = eng.scheduler.schedule, eng.runner.run
+    schedule, run = eng.scheduler.schedule, eng.executor.execute
 
     def counting_schedule():
         batch = schedule()
@@ -58,7 +58,7 @@ def soak(device: str, num_requests: int, seed: int = 0, checked: int = 40) -> di
             stats["faults"] += 1
             raise RuntimeError("injected fault")
         return run(batch)
-    eng.scheduler.schedule, eng.runner.run = counting_schedule, faulty_run
+    eng.scheduler.schedule, eng.executor.execute = counting_schedule, faulty_run
 
     prompts, params, outputs, live = {}, {}, {}, set()
     submitted = 0
@@ -90,7 +90,7 @@ def soak(device: str, num_requests: int, seed: int = 0, checked: int = 40) -> di
     assert not live, f"requests never finished: {sorted(live)[:10]}"
     assert len(outputs) == num_requests
     assert eng.page_pool.num_free_pages == eng.page_pool.num_pages, "pages leaked"
-    assert not eng.runner.generators
+    assert not eng.executor.sampler.generators
     for rid, out in outputs.items():
         if out.finish_reason in ("length", "stop"):
             assert len(out.token_ids) <= params[rid].max_tokens

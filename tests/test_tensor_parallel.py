@@ -28,7 +28,7 @@ from chunkwise.checkpoints import tiny_checkpoint
 from chunkwise.model_config import ModelConfig
 from chunkwise.engine import Engine, SamplingParams
 from chunkwise.engine.model_runner import ModelRunner
-from chunkwise.engine.tensor_parallel import TensorParallel
+from chunkwise.engine.parallel.tensor_parallel import TensorParallel
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -174,7 +174,7 @@ def test_the_warm_up_reaches_every_token_class_above_the_custom_all_reduce(max_r
     one."""
     from types import SimpleNamespace as NS
     runner = NS(model=NS(tp=NS(custom=NS(max_rows=max_rows))),
-                config=NS(max_model_len=max_model_len, max_num_batched_tokens=budget))
+                engine_config=NS(max_model_len=max_model_len, max_num_batched_tokens=budget))
     prefills = ModelRunner._above_custom_all_reduce(runner)
     totals = [sum(chunks) for chunks in prefills]
     assert all(max_rows < t <= budget for t in totals), totals
@@ -187,8 +187,8 @@ def test_each_rank_caches_only_its_kv_heads(case):
     name, _, tp, one, _ = case
     cfg = tp.model_config
     local = cfg.num_kv_heads // 2 if cfg.num_kv_heads >= 2 else 1
-    assert tp.runner.kv_caches[0][0].shape[2] == local
-    assert one.runner.kv_caches[0][0].shape[2] == cfg.num_kv_heads
+    assert tp.executor.runner.kv.layers[0][0].shape[2] == local
+    assert one.executor.runner.kv.layers[0][0].shape[2] == cfg.num_kv_heads
 
 
 def test_greedy_tokens_equal_the_reference(case):
@@ -219,7 +219,7 @@ def test_logprobs_and_sampled_requests_get_the_whole_logits_as_one_rank_has_them
     first = (SamplingParams(max_tokens=5, ignore_eos=True, logprobs=3) if asks == "logprobs" else
              SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.8, top_k=20, seed=7))
     params = [first, SamplingParams(max_tokens=5, ignore_eos=True)]
-    runner_tp = tp.runner.model.tp
+    runner_tp = tp.executor.runner.model.tp
     all_gather, widths = runner_tp.all_gather, []
 
     def all_gather_counted(x):

@@ -22,7 +22,7 @@ from test_tensor_parallel_lifecycle import assert_gone, within
 import chunkwise.reference
 from chunkwise.checkpoints import resolve_model, tiny_checkpoint
 from chunkwise.engine import Engine, SamplingParams
-from chunkwise.engine.workers import TensorParallelError
+from chunkwise.engine.parallel.workers import StepMessage, TensorParallelError
 
 pytestmark = [pytest.mark.gpu, pytest.mark.correctness,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
@@ -61,8 +61,9 @@ def test_float32_tokens_and_kv_equal_one_gpu_and_the_reference(name, tmp_path_fa
     prompts, chunks = workload(name)
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     with Engine(ckpt, dtype="float32", tensor_parallel_size=2, **KW) as tp:
-        replays, replay = [], tp.runner._replay
-        tp.runner._replay = lambda host, d: replays.append(d) or replay(host, d)
+        graphs = tp.executor.runner.graphs
+        replays, replay = [], graphs.replay
+        graphs.replay = lambda host, *args: replays.append(len(host.rows)) or replay(host, *args)
         got = [o.token_ids for o in tp.generate(prompts, params, chunk_sizes=chunks)]
         kv = tp.prefill_kv(prompts[3], chunk_sizes=chunks[3])
     assert replays, "no decode step replayed a CUDA graph: the NCCL-in-graph path went untested"
@@ -135,8 +136,8 @@ def test_the_custom_all_reduce_gives_nccls_bits_on_two_ranks(tmp_path_factory):
     runs = {}
     for custom in (True, False):
         with Engine(ckpt, dtype="bfloat16", tensor_parallel_size=2, custom_all_reduce=custom, **KW) as eng:
-            assert (eng.runner.tp.custom is not None) == custom
-            assert eng.runner.model.reduce_in_norm == custom
+            assert (eng.executor.runner.tp.custom is not None) == custom
+            assert eng.executor.runner.model.reduce_in_norm == custom
             tokens = [o.token_ids for o in eng.generate(prompts, params, chunk_sizes=chunks)]
             runs[custom] = tokens, eng.prefill_kv(prompts[3], chunk_sizes=chunks[3])
     assert runs[True][0] == runs[False][0], "tokens differ between the custom all-reduce and NCCL"
@@ -155,26 +156,27 @@ def test_a_worker_killed_inside_a_graph_replayed_decode_fails_the_step_without_a
     finish its part first (a tiny model's step takes well under a millisecond), and the custom all-reduce, which
     stops only calls still waiting, then completes that step correctly and fails the next (seen on two H200s)."""
     eng = Engine(tiny_checkpoint("qwen3"), dtype="float32", tensor_parallel_size=2, custom_all_reduce=custom, **KW)
-    assert (eng.runner.tp.custom is not None) == custom, "the custom all-reduce was asked for and not built"
-    worker = eng._workers.procs[0]
+    assert (eng.executor.runner.tp.custom is not None) == custom, "the custom all-reduce was asked for and not built"
+    worker = eng.executor.workers.procs[0]
     pid = worker.pid
-    together, replay, sent, replayed = eng._workers.together, eng.runner._replay, [], []
+    graphs = eng.executor.runner.graphs
+    together, replay, sent, replayed = eng.executor.workers.together, graphs.replay, [], []
 
     def together_stopping_the_worker(command, fn, wrap=True):
-        if command is not None and command[0] == "step":
+        if isinstance(command, StepMessage):
             sent.append(command)
             if len(sent) == 3:   # a decode step (the first is the prefill)
                 os.kill(pid, signal.SIGSTOP)
         return together(command, fn, wrap)
 
-    def replay_then_kill(host, d):
+    def replay_then_kill(host, *args):
         replayed.append(len(sent))
-        out = replay(host, d)
+        out = replay(host, *args)
         if len(sent) == 3:   # rank 0's replay is launched, its all-reduces waiting for the stopped worker
             os.kill(pid, signal.SIGKILL)
             worker.join(30)
         return out
-    eng._workers.together, eng.runner._replay = together_stopping_the_worker, replay_then_kill
+    eng.executor.workers.together, graphs.replay = together_stopping_the_worker, replay_then_kill
     with pytest.raises(TensorParallelError, match=rf"rank 1 \(pid {pid}\) died with exit code -9"):
         within(120, lambda: eng.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=8, ignore_eos=True)))
     assert len(sent) == 3 and replayed[-1] == 3, f"steps sent: {len(sent)}; replays in steps {replayed}"
@@ -189,12 +191,12 @@ def test_a_worker_killed_while_rank_0_issues_an_eager_steps_collectives_fails_th
     collective must raise (CollectiveGuard) instead of waiting for the dead rank, and the step fails with
     TensorParallelError."""
     eng = Engine(tiny_checkpoint("qwen3"), dtype="float32", tensor_parallel_size=2, custom_all_reduce=custom, **KW)
-    worker, guard, tp = eng._workers.procs[0], eng._workers.guard, eng.runner.model.tp
+    worker, guard, tp = eng.executor.workers.procs[0], eng.executor.workers.guard, eng.executor.runner.model.tp
     pid = worker.pid
-    together, all_gather = eng._workers.together, tp.all_gather
+    together, all_gather = eng.executor.workers.together, tp.all_gather
 
     def together_stopping_the_worker(command, fn, wrap=True):
-        if command is not None and command[0] == "step":
+        if isinstance(command, StepMessage):
             os.kill(pid, signal.SIGSTOP)
         return together(command, fn, wrap)
 
@@ -205,9 +207,9 @@ def test_a_worker_killed_while_rank_0_issues_an_eager_steps_collectives_fails_th
         while guard.lost is None and time.monotonic() < deadline:   # the watcher's abort
             time.sleep(0.01)
         return all_gather(x)
-    eng._workers.together = together_stopping_the_worker
+    eng.executor.workers.together = together_stopping_the_worker
     object.__setattr__(tp, "all_gather", all_gather_after_the_kill)
     with pytest.raises(TensorParallelError, match=rf"rank 1 \(pid {pid}\) died with exit code -9"):
         within(120, lambda: eng.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=8, ignore_eos=True)))
-    assert eng.runner.launches == {("mixed", "eager"): 1}, eng.runner.launches
+    assert eng.executor.runner.launches == {("mixed", "eager"): 1}, eng.executor.runner.launches
     assert_gone([pid])

@@ -25,8 +25,8 @@ import torch
 import chunkwise.reference
 from chunkwise.model_config import ModelConfig
 from chunkwise.engine import Engine, SamplingParams
-from chunkwise.engine.tensor_parallel import CollectiveGuard, TensorParallel
-from chunkwise.engine.workers import TensorParallelError
+from chunkwise.engine.parallel.tensor_parallel import CollectiveGuard, TensorParallel
+from chunkwise.engine.parallel.workers import StepMessage, TensorParallelError
 
 PROMPTS = [[5, 9, 14, 3, 22, 8, 17], [60, 61, 62, 63, 64, 65]]
 GREEDY = SamplingParams(max_tokens=3, ignore_eos=True)
@@ -36,7 +36,7 @@ HANG_S = 60
 
 
 def worker_pids(eng) -> list[int]:
-    return [p.pid for p in eng._workers.procs]
+    return [p.pid for p in eng.executor.workers.procs]
 
 
 def assert_gone(pids: list[int]) -> None:
@@ -89,7 +89,7 @@ def test_interpreter_exit_stops_the_workers(ckpt, ending):
             "SIGKILL": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"}[ending]
     script = (f"import json, sys\nfrom chunkwise import Engine\n"
               f"eng = Engine({str(ckpt)!r}, **{KW!r})\n"
-              f"print(json.dumps([p.pid for p in eng._workers.procs]), flush=True)\n" + last)
+              f"print(json.dumps([p.pid for p in eng.executor.workers.procs]), flush=True)\n" + last)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_S,
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     pids = json.loads(done.stdout.splitlines()[0])
@@ -117,14 +117,14 @@ def test_a_worker_dying_inside_a_step_fails_it_without_a_hang(ckpt):
     """The worker dies while rank 0 is inside the step's forward (its collectives wait for the dead peer)."""
     eng = Engine(ckpt, **KW)
     pids = worker_pids(eng)
-    forward, calls = eng.runner.forward, []
+    forward, calls = eng.executor.runner.forward, []
 
     def forward_after_the_kill(host):
         calls.append(1)
         if len(calls) == 2:
             os.kill(pids[0], signal.SIGKILL)
         return forward(host)
-    eng.runner.forward = forward_after_the_kill
+    eng.executor.runner.forward = forward_after_the_kill
     with pytest.raises(TensorParallelError, match=rf"rank 1 \(pid {pids[0]}\) died with exit code -9"):
         within(HANG_S, lambda: eng.generate(PROMPTS, GREEDY))
     assert len(calls) == 2
@@ -183,7 +183,7 @@ def test_a_collective_stuck_enqueueing_does_not_keep_the_abort_waiting():
 def test_a_worker_error_is_raised_on_rank_0_with_its_traceback(ckpt):
     eng = Engine(ckpt, **KW)
     pids = worker_pids(eng)
-    eng._workers.conns[0].send_bytes(pickle.dumps(("step", None)))   # a step the worker cannot run
+    eng.executor.workers.conns[0].send_bytes(pickle.dumps(StepMessage(None)))   # a step the worker cannot run
     with pytest.raises(TensorParallelError, match=r"(?s)rank 1 .* failed: AttributeError: .*Traceback.*run_host"):
         within(HANG_S, lambda: eng.generate(PROMPTS, GREEDY))
     assert_gone(pids)
@@ -199,7 +199,7 @@ def test_rank_0_failing_inside_a_step_stops_the_workers(ckpt, fault):
 
     def failing_forward(host):
         raise fault
-    eng.runner.forward = failing_forward
+    eng.executor.runner.forward = failing_forward
     error = TensorParallelError if isinstance(fault, Exception) else KeyboardInterrupt
     with pytest.raises(error):
         within(HANG_S, lambda: eng.generate(PROMPTS, GREEDY))
@@ -217,18 +217,18 @@ def test_a_sampling_failure_is_contained_and_close_stops_every_worker(ckpt):
     assert all(psutil.pid_exists(p) for p in pids)
     with pytest.raises(RuntimeError, match="torch.distributed is already initialised"):
         Engine(ckpt, **KW)   # a second one at a time: refused before it starts anything
-    sample, calls = eng.runner.sample, []
+    sample, calls = eng.executor.sampler.sample, []
 
     def failing_second_sample(*args):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("injected fault in sample")
         return sample(*args)
-    eng.runner.sample = failing_second_sample
+    eng.executor.sampler.sample = failing_second_sample
     outs = eng.generate(PROMPTS, GREEDY)
     assert [o.finish_reason for o in outs] == ["error", "error"]
     assert all("injected fault in sample" in o.error for o in outs)
-    eng.runner.sample = sample
+    eng.executor.sampler.sample = sample
     assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == want
     eng.close()
     assert_gone(pids)
@@ -241,7 +241,7 @@ def test_a_single_device_engine_closes_too(ckpt):
     eng = Engine(ckpt, page_size=4, num_pages=8, max_model_len=64)
     with eng:
         assert eng.generate(PROMPTS[:1], GREEDY)[0].finish_reason == "length"
-    assert not eng.runner.kv_caches, "close() kept the KV cache"
+    assert not eng.executor.runner.kv.layers, "close() kept the KV cache"
     with pytest.raises(RuntimeError, match=r"this Engine is closed \(close\(\) was called\)"):
         eng.add_request(PROMPTS[0], GREEDY)
 

@@ -27,13 +27,13 @@ def test_split_kv_and_cascade_decodes_equal_one_rank(random_prompt):
     prompts = [base + [10 + i, 20 + i] for i in range(3)]
     with Engine(ckpt, tensor_parallel_size=2, **kw) as tp:
         cascades = []
-        prepare = tp.runner.prepare
+        prepare = tp.executor.runner.prepare
 
         def spy(batch):
             host, sampled = prepare(batch)
             cascades.append(host.cascade is not None)
             return host, sampled
-        tp.runner.prepare = spy
+        tp.executor.runner.prepare = spy
         got = [tp.generate([prompts[0]], GREEDY)[0].token_ids]   # caches the shared prefix's pages
         got += [o.token_ids for o in tp.generate(prompts[1:], GREEDY)]
     one = Engine(ckpt, **kw)

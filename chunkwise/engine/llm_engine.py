@@ -8,14 +8,15 @@ and the engine goes on as if they had never run. One lock serialises the public 
 share an engine.
 
 `tensor_parallel_size=N` shards the model over N ranks: this process is rank 0 (it schedules, samples and
-postprocesses as with one device) and starts N-1 worker processes (chunkwise/engine/workers.py). A failure inside a
-step's forward cannot be contained there (the ranks' caches may disagree): the engine closes and raises
+postprocesses as with one device) and starts N-1 worker processes (chunkwise/engine/parallel/workers.py). The engine
+talks only to its executor (chunkwise/engine/parallel/executor.py), the same calls on one device or N. A failure
+inside a step's forward cannot be contained there (the ranks' caches may disagree): the engine closes and raises
 TensorParallelError. `close()` (or `with Engine(...) as eng:`) stops the workers; an engine that is garbage
 collected, or still open at interpreter exit, stops them too.
 
 Overlap scheduling (`async_scheduling`, on by default with CUDA): a step's postprocess waits until the
 next step is launched, so the host schedules and prepares step k+1 while the device runs step k. Step
-k's sampled tokens stay on the device and feed k+1 there (see `ModelRunner`). A sequence that step k
+k's sampled tokens stay on the device and feed k+1 there (see `HostStep`). A sequence that step k
 finishes has computed one more token in k+1 in vain: it is dropped, and its pages were freed when k
 finished. Steps that sample with a generator or return logprobs are postprocessed at once (their token
 must be drawn on the host before the next step can read it). An abort drops the request's token in
@@ -24,7 +25,6 @@ flight: its output holds the tokens streamed so far.
 from __future__ import annotations
 
 import threading
-import weakref
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -35,12 +35,12 @@ from chunkwise.engine_config import EngineConfig
 from chunkwise.requests import single_prompt, validate_requests
 from chunkwise.sampling import RequestOutput, SamplingParams
 from chunkwise.tokenizer import decode, load_tokenizer
-from chunkwise.weights import load_weights
-from chunkwise.engine.model_runner import Launched, ModelRunner
+from chunkwise.engine.host_step import Launched
 from chunkwise.engine.page_pool import PagePool
+from chunkwise.engine.parallel.executor import Executor, MultiprocExecutor
+from chunkwise.engine.parallel.workers import TensorParallelError
 from chunkwise.engine.scheduler import ScheduledBatch, Scheduler
 from chunkwise.engine.sequence import Sequence
-from chunkwise.engine.workers import TensorParallelError, Workers
 
 TQDM_MIN_PROMPTS = 16   # progress bars only for batches worth watching
 
@@ -61,7 +61,7 @@ class StepOutput:
 
 
 class _Step(NamedTuple):
-    """A launched step awaiting its postprocess: what was scheduled and what the runner launched."""
+    """A launched step awaiting its postprocess: what was scheduled and what the executor launched."""
     batch: ScheduledBatch
     launched: Launched
 
@@ -81,23 +81,8 @@ class Engine:
         self.max_model_len, self.page_size = config.max_model_len, config.page_size
         self.tokenizer = load_tokenizer(config.path)
         self._closed: str | None = None                      # why the engine takes no more work, once closed
-        if config.tensor_parallel_size == 1:
-            self._workers = None
-            weights = load_weights(config.path, self.dtype, self.device, cfg=self.model_config)
-            self.runner = ModelRunner(config, weights)
-        else:
-            self._workers = workers = Workers(config)   # they load their shards while this process loads its own
-            self._stop_workers = weakref.finalize(self, workers.close)
-            try:
-                weights = load_weights(config.path, self.dtype, self.device, cfg=self.model_config, shard=workers.tp.shard)
-                workers.join()
-                self.runner = workers.together(None, lambda: ModelRunner(config, weights, workers.tp, workers),
-                                               wrap=False)
-                workers.release = self.runner.close
-            except BaseException:
-                workers.close()
-                raise
-        self.page_pool = PagePool(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
+        self.executor = Executor(config) if config.tensor_parallel_size == 1 else MultiprocExecutor(config)
+        self.page_pool = PagePool(self.executor.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.page_pool, self.model_config.eos_token_ids)
         self._claims: dict[int, list[StepOutput]] = {}       # outputs collected by a generate/prefill_kv call
         self._backlog: list[StepOutput] = []                 # streamed requests' outputs made inside those calls
@@ -115,9 +100,7 @@ class Engine:
     def _close(self, reason: str) -> None:
         if self._closed is None:
             self._closed = reason
-            if self._workers is not None:
-                self._stop_workers()
-            self.runner.close()
+            self.executor.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -175,7 +158,7 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
         """The finished request's output; the engine forgets it."""
-        self.runner.release(seq.seq_id)
+        self.executor.release(seq.seq_id)
         return RequestOutput(seq.seq_id, list(seq.prompt_token_ids), token_ids=seq.completion_token_ids,
                              text=decode(self.tokenizer, seq.completion_token_ids), logprobs=seq.logprobs,
                              finish_reason=reason, num_cached_tokens=seq.num_cached_tokens, error=seq.error)
@@ -211,7 +194,7 @@ class Engine:
             if prev is None and self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler made no progress with unfinished requests queued")
             return self._postprocess(prev)
-        launched, exc = self._guarded(self.runner.run, batch)
+        launched, exc = self._guarded(self.executor.execute, batch)
         if exc is not None:   # contained: only this step's requests end, with the error on them
             return self._postprocess(prev) + self._fail(batch, exc)
         step = _Step(batch, launched)
@@ -227,7 +210,7 @@ class Engine:
         if step is None:
             return []
         batch, launched = step
-        result, exc = self._guarded(self.runner.sample, launched)
+        result, exc = self._guarded(self.executor.sample, launched)
         if exc is not None:   # contained as in `_step`
             return self._fail(batch, exc)
         tokens, logprobs = result
@@ -261,8 +244,8 @@ class Engine:
         except Exception as exc:
             return None, exc
         except BaseException:
-            if self._workers is not None and self._workers.error is not None:
-                self._close(f"interrupted inside a tensor-parallel step: {self._workers.error}")
+            if self.executor.failure is not None:
+                self._close(f"interrupted inside a tensor-parallel step: {self.executor.failure}")
             raise
 
     def _fail(self, batch: ScheduledBatch, exc: Exception) -> list[StepOutput]:
@@ -332,7 +315,7 @@ class Engine:
                     if failed is not None:
                         raise RuntimeError(f"prefill_kv: the request failed: {failed.output.error}")
                     if seq.num_computed_tokens >= seq.num_prompt_tokens:
-                        return self.runner.gather_kv(seq, seq.num_prompt_tokens)
+                        return self.executor.gather_kv(seq, seq.num_prompt_tokens)
         except TensorParallelError as exc:
             with self._lock:
                 self._close(f"a tensor-parallel step failed: {exc}")

@@ -12,10 +12,10 @@ batch-mates, chunk boundaries or page size, and whether prefill, decode or a rec
 single-pass `paged_attention` that prefill rows take, not split-KV. Norms, RoPE+store and the activation already
 keep a row's bits (their rows per program depend on the width only), and RoPE's cos/sin are elementwise.
 
-Tensor parallelism (`tp`, see chunkwise/engine/tensor_parallel.py): the weights are one rank's shard; the embedding,
-o_proj and down_proj outputs are summed over the ranks (one all_reduce each; with the custom all-reduce, inside the
-next norm's kernel), so every rank carries the same residual stream, and each ends with its slice of the logits
-(`TensorParallel.argmax_logits` and `gather_logits` take it from there). Without `tp` the forward calls no
+Tensor parallelism (`tp`, see chunkwise/engine/parallel/tensor_parallel.py): the weights are one rank's shard; the
+embedding, o_proj and down_proj outputs are summed over the ranks (one all_reduce each; with the custom all-reduce,
+inside the next norm's kernel), so every rank carries the same residual stream, and each ends with its slice of the
+logits (`TensorParallel.argmax_logits` and `gather_logits` take it from there). Without `tp` the forward calls no
 collective.
 
 Flat-batch layout (built by `ModelRunner`): tokens of the sequences that bring prompt chunks come first
@@ -33,7 +33,7 @@ from chunkwise.model_config import ModelConfig
 from chunkwise.kernels import (CascadeGroups, act_and_mul, add_rms_norm, cascade_decode, matmul, paged_attention, rms_norm,
                      rope_cos_sin, rope_store, split_kv_decode)
 from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE, SplitWorkspace, num_splits_for, split_workspace
-from chunkwise.engine.tensor_parallel import TensorParallel
+from chunkwise.engine.parallel.tensor_parallel import TensorParallel
 
 
 @dataclass

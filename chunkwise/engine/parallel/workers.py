@@ -4,8 +4,9 @@ Rank 0 is the engine's own process: it schedules, samples and postprocesses as o
 processes it starts (torch.multiprocessing, spawn), each on its own device (the CUDA device N places after the
 engine's, or the CPU) with its shard of the checkpoint and its own ModelRunner. All ranks join torch.distributed's
 default process group (NCCL on CUDA, gloo on CPU) through a TCPStore that rank 0 serves on a free localhost port.
-Each step rank 0 sends every worker one message over its pipe (the step's HostStep, page-table writes included),
-then runs its own forward; the collectives inside the forward keep the ranks in step.
+Each step rank 0 sends every worker one message over its pipe (`StepMessage`: the step's HostStep, page-table
+writes included), then runs its own forward; the collectives inside the forward keep the ranks in step. The
+executor (executor.py) decides what to send; this module moves it and watches the processes.
 
 Failures (the engine cannot contain a failure once a step is in the ranks' hands: their caches may disagree
 from there, so the engine closes and raises `TensorParallelError` rather than run on):
@@ -22,7 +23,7 @@ from there, so the engine closes and raises `TensorParallelError` rather than ru
   its pipe, untimed.
 - workers ignore SIGINT (Ctrl-C reaches the whole process group; rank 0 decides) and exit when rank 0's process
   does. `close()` (the engine's close, its garbage collection, or interpreter exit: weakref.finalize) sends them
-  "close" and terminates any that have not exited after CLOSE_GRACE_S.
+  `Close()` and terminates any that have not exited after CLOSE_GRACE_S.
 """
 from __future__ import annotations
 
@@ -31,25 +32,48 @@ import pickle
 import signal
 import threading
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from chunkwise.engine_config import EngineConfig
 from chunkwise.weights import load_weights
-from chunkwise.engine.tensor_parallel import CollectiveGuard, TensorParallel
+from chunkwise.engine.host_step import HostStep
+from chunkwise.engine.model_runner import ModelRunner
+from chunkwise.engine.parallel.tensor_parallel import CollectiveGuard, TensorParallel
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)   # one collective, and the start-up rendezvous
-CLOSE_GRACE_S = 10.0                         # a worker's time to exit after "close" before it is terminated
+CLOSE_GRACE_S = 10.0                         # a worker's time to exit after Close() before it is terminated
 EXIT_GRACE_S = 2.0                           # after a failed collective, time for a dying worker's exit to show
 HOST = "127.0.0.1"
 
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed or died; the engine is closed."""
+
+
+# What rank 0 sends a worker over its pipe, one message per command.
+@dataclass(frozen=True)
+class StepMessage:
+    """Run this step (its page-table writes, then the forward) as rank 0 does."""
+    host: HostStep
+
+
+@dataclass(frozen=True)
+class GatherKV:
+    """Join rank 0's gathering of the K/V at these cache slots (int64 [n])."""
+    slots: np.ndarray
+
+
+@dataclass(frozen=True)
+class Close:
+    """Free the runner, leave the process group and exit."""
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -63,22 +87,23 @@ def _backend(device: torch.device) -> str:
 
 
 class Workers:
-    """Ranks 1..N-1 of an engine with tensor_parallel_size N, seen from rank 0."""
+    """Ranks 1..N-1 of an engine with tensor_parallel_size N, seen from rank 0, and rank 0's runner, built beside
+    theirs (`start`)."""
 
     def __init__(self, config: EngineConfig):
         if dist.is_initialized():
             raise RuntimeError(f"tensor_parallel_size={config.tensor_parallel_size}: torch.distributed is already "
                                f"initialised in this process (another tensor-parallel Engine still open, or a "
                                f"launcher's process group); close() that engine first")
-        self.size = config.tensor_parallel_size
+        self.config, self.size = config, config.tensor_parallel_size
         self.backend = _backend(config.device)
         self.guard = CollectiveGuard()   # rank 0's collectives, kept from running past the watcher's abort
-        # Rank 0's; its runner puts back the one with the custom all-reduce, which is then aborted with NCCL and
-        # checked each step.
+        # Rank 0's; `start` puts in the one with the custom all-reduce, which is then aborted with NCCL and checked
+        # each step.
         self.tp = TensorParallel(0, self.size, config.model_config, rank_device(config, 0), guard=self.guard)
         self.error: str | None = None      # why the workers were torn down, once a rank failed
         self._joined = self._closed = False
-        self.release = None   # frees rank 0's runner (its CUDA graphs hold NCCL resources) before the group is left
+        self._runner: ModelRunner | None = None   # rank 0's (`start`), freed before the group is left
         self.procs, self.conns = [], []
         self.store = dist.TCPStore(HOST, 0, self.size, is_master=True, wait_for_workers=False,
                                    timeout=COLLECTIVE_TIMEOUT)
@@ -124,9 +149,21 @@ class Workers:
                                 timeout=COLLECTIVE_TIMEOUT)
         self._joined = True
 
+    def start(self, build: Callable[[TensorParallel], ModelRunner]) -> ModelRunner:
+        """Rank 0's runner, built by build(tp) while the workers build theirs: the custom all-reduce first when
+        asked for, so every rank builds it at the same point. A failure tears the workers down and goes on as
+        itself. The runner is closed on teardown before the process group is left (its CUDA graphs hold NCCL
+        resources)."""
+        def build_rank_0() -> ModelRunner:
+            self.tp = with_configured_all_reduce(self.tp, self.config)
+            return build(self.tp)
+        self._runner = self.together(None, build_rank_0, wrap=False)
+        return self._runner
+
     # ---- steps -------------------------------------------------------------------------------------
     def together(self, command, fn, wrap: bool = True):
-        """Sends `command` (None: nothing) to every worker, then returns fn(), rank 0's part of it.
+        """Sends `command` (a StepMessage or GatherKV; None: nothing) to every worker, then returns fn(), rank 0's
+        part of it.
 
         On a failure the workers are torn down: a worker's failure raises TensorParallelError naming it; rank 0's
         own exception is raised as TensorParallelError (wrap) or as itself; KeyboardInterrupt goes on as itself."""
@@ -227,11 +264,11 @@ class Workers:
         if graceful:
             for conn in self.conns:
                 try:
-                    conn.send_bytes(pickle.dumps(("close", None)))
+                    conn.send_bytes(pickle.dumps(Close()))
                 except OSError:
                     pass
-        if self.release is not None:
-            self.release()
+        if self._runner is not None:
+            self._runner.close()
         if self._joined:
             _leave_group(self.backend)
         for proc in self.procs:
@@ -271,6 +308,12 @@ def _leave_group(backend: str) -> None:
             pass
 
 
+def with_configured_all_reduce(tp: TensorParallel, config: EngineConfig) -> TensorParallel:
+    """tp with the custom all-reduce when the config asks for it (collective: every rank calls it, before its KV
+    cache takes the free memory)."""
+    return tp.with_custom_all_reduce(config.dtype, COLLECTIVE_TIMEOUT) if config.custom_all_reduce else tp
+
+
 def _numerics() -> dict:
     """Process-wide settings that change a forward's numbers or speed, so every rank runs as rank 0 does."""
     return dict(num_threads=torch.get_num_threads(), matmul_precision=torch.get_float32_matmul_precision(),
@@ -286,7 +329,6 @@ def _worker_main(rank: int, config: EngineConfig, port: int, numerics: dict, con
     """Rank `rank`: loads its shard, joins the group, builds its runner, then runs each step rank 0 sends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, daemon=True).start()
-    from chunkwise.engine.model_runner import ModelRunner   # here: model_runner imports this module
     try:
         torch.set_num_threads(numerics["num_threads"])
         torch.set_float32_matmul_precision(numerics["matmul_precision"])
@@ -300,22 +342,24 @@ def _worker_main(rank: int, config: EngineConfig, port: int, numerics: dict, con
         store = dist.TCPStore(HOST, port, tp.size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
         dist.init_process_group(_backend(device), store=store, rank=rank, world_size=tp.size,
                                 timeout=COLLECTIVE_TIMEOUT)
-        runner = ModelRunner(config, weights, tp=tp)
+        runner = ModelRunner(config, weights, tp=with_configured_all_reduce(tp, config))
         del weights
         while True:
-            command, arg = pickle.loads(conn.recv_bytes())
+            message = pickle.loads(conn.recv_bytes())
             stopped = runner.tp.stopped()
             if stopped is not None:
                 raise TensorParallelError(stopped)
-            if command == "step":
-                runner.run_host(arg)
-            elif command == "kv":
-                runner.kv_at(arg)
-            else:
+            if isinstance(message, StepMessage):
+                runner.run_host(message.host)
+            elif isinstance(message, GatherKV):
+                runner.kv.at(message.slots)
+            elif isinstance(message, Close):
                 break
+            else:
+                raise TypeError(f"rank 0 sent {message!r}, not a StepMessage, GatherKV or Close")
         runner.close()
         _leave_group(_backend(device))
-    except EOFError:   # rank 0 closed its end of the pipe without "close": it is gone
+    except EOFError:   # rank 0 closed its end of the pipe without Close(): it is gone
         os._exit(1)
     except BaseException as exc:
         try:
