@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import chunkwise.engine
-import reference
+import chunkwise.reference
 from logprobs_close import MIN_AGREED_SHARE, TOP_K, check_logprobs_close
 from chunkwise.engine import SamplingParams
 

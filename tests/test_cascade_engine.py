@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
 
-import reference
+import chunkwise.reference
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from chunkwise.checkpoints import tiny_checkpoint
 from chunkwise.kernels import CascadeGroups

@@ -11,7 +11,7 @@ from hypothesis import given, note, settings, strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
-import reference
+import chunkwise.reference
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from chunkwise.checkpoints import tiny_checkpoint
 from chunkwise.engine_config import REFERENCE_IGNORED, EngineConfig

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from parity_report import (assert_kv_close, assert_logprobs_match_reference, assert_same_tokens,
                            first_divergence)
 
-import reference
+import chunkwise.reference
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from chunkwise.checkpoints import tiny_checkpoint
 from chunkwise.engine import Engine, SamplingParams

@@ -9,7 +9,7 @@ Qwen3-0.6B's shape. The strict float32 tier runs on the GPU through tests/test_p
 import pytest
 import torch
 
-import reference
+import chunkwise.reference
 from chunkwise.checkpoints import tiny_checkpoint
 from logprobs_close import MIN_AGREED_SHARE, TOP_K, check_logprobs_close
 from chunkwise.engine import Engine, SamplingParams

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-import reference
+import chunkwise.reference
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from chunkwise.checkpoints import tiny_checkpoint
 from chunkwise.engine import Engine, SamplingParams

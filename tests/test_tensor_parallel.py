@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from parity_report import assert_same_tokens, kv_mismatch
 
-import reference
+import chunkwise.reference
 from chunkwise.checkpoints import tiny_checkpoint
 from chunkwise.model_config import ModelConfig
 from chunkwise.engine import Engine, SamplingParams

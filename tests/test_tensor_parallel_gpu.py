@@ -19,7 +19,7 @@ from parity_report import assert_same_tokens, kv_mismatch
 from test_tensor_parallel import MODELS, with_random_biases
 from test_tensor_parallel_lifecycle import assert_gone, within
 
-import reference
+import chunkwise.reference
 from chunkwise.checkpoints import resolve_model, tiny_checkpoint
 from chunkwise.engine import Engine, SamplingParams
 from chunkwise.engine.workers import TensorParallelError

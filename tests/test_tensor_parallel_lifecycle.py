@@ -22,7 +22,7 @@ import psutil
 import pytest
 import torch
 
-import reference
+import chunkwise.reference
 from chunkwise.model_config import ModelConfig
 from chunkwise.engine import Engine, SamplingParams
 from chunkwise.engine.tensor_parallel import CollectiveGuard, TensorParallel

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from parity_report import assert_same_tokens, kv_mismatch
 
-import reference
+import chunkwise.reference
 from chunkwise.checkpoints import tiny_checkpoint
 from chunkwise.engine import Engine, SamplingParams
 
