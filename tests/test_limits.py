@@ -53,6 +53,66 @@ def run_and_compare(eng: Engine, ref, prompts, params) -> list:
     return outs
 
 
+# The cheap tests first: under -x a broken check fails in seconds.
+
+# ---- the vocabulary and logprobs --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("token", [0, 1, VOCAB - 2, VOCAB - 1, -1, VOCAB, VOCAB + 1])
+def test_token_ids_inside_the_vocabulary_are_served_and_outside_refused(ckpt, ref, token):
+    """A prompt holding the id, and the id as a stop token: served on both engines from 0 to vocab_size - 1."""
+    eng = Engine(ckpt, page_size=4, num_pages=16, max_model_len=32)
+    prompt = [5, token, 9]
+    if 0 <= token < VOCAB:
+        run_and_compare(eng, ref, [prompt], greedy(2))
+        params = SamplingParams(max_tokens=2, stop_token_ids=[token])
+        assert eng.generate([prompt], params)[0].token_ids == ref.generate([prompt], params)[0].token_ids
+        return
+    with pytest.raises(ValueError, match=f"prompt 0 holds token id {token}, outside the vocabulary \\[0, {VOCAB}\\)"):
+        eng.generate([prompt], greedy(2))
+    with pytest.raises((ValueError, TypeError), match=f"stop_token_ids.*{token}"):
+        eng.generate([[5, 9]], SamplingParams(max_tokens=2, stop_token_ids=[token]))
+    assert_whole(eng)
+    run_and_compare(eng, ref, [[5, 9]], greedy(2))
+
+
+@pytest.mark.parametrize("logprobs", [0, VOCAB, VOCAB + 1])
+def test_logprobs_up_to_the_vocabulary_size_are_served_and_one_more_refused(ckpt, ref, logprobs):
+    eng = Engine(ckpt, page_size=4, num_pages=16, max_model_len=32)
+    params = greedy(2, logprobs=logprobs)
+    if logprobs > VOCAB:
+        for engine in (eng, ref):
+            with pytest.raises(ValueError, match=f"logprobs={logprobs} exceeds the vocabulary size {VOCAB}"):
+                engine.generate([[5, 9]], params)
+        assert_whole(eng)
+        return
+    out, want = eng.generate([[5, 9]], params)[0], ref.generate([[5, 9]], params)[0]
+    assert out.token_ids == want.token_ids
+    for got, exp, token in zip(out.logprobs, want.logprobs, out.token_ids):
+        assert len(got) == len(exp) == max(1, logprobs) and token in got
+        assert got.keys() == exp.keys()
+        torch.testing.assert_close(torch.tensor([got[t] for t in exp]), torch.tensor(list(exp.values())),
+                                   rtol=0, atol=1e-4)
+    assert_whole(eng)
+
+
+# ---- every other lower bound of the engine's configuration ------------------------------------------------------
+
+@pytest.mark.parametrize("field, low", [
+    ("page_size", 1), ("num_pages", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
+    ("split_kv_threshold", 0), ("split_size", 64)])
+def test_each_engine_argument_at_its_lower_bound_serves_and_one_below_is_refused(ckpt, ref, field, low):
+    """At the bound the engine serves a request its size allows (one page of one token holds a 1-token prompt
+    and 1 token); below it the value is named. split_size is bounded by the split-KV tile (64 here)."""
+    kw = dict(page_size=4, num_pages=16, max_model_len=32)
+    kw[field] = low
+    if field == "num_pages":
+        kw["page_size"] = 2
+    run_and_compare(Engine(ckpt, **kw), ref, [[5, 9]] if field != "num_pages" else [[5]], greedy(2))
+    kw[field] = low - 1
+    with pytest.raises(ValueError, match=f"{field} must be .*{low - 1}"):
+        Engine(ckpt, **kw)
+
+
 # ---- max_model_len x page_size x split size: a request of exactly max_model_len ---------------------------------
 
 @settings(max_examples=max(3, settings().max_examples // 3))
@@ -200,61 +260,3 @@ def test_a_prompt_of_exactly_the_token_budget_takes_one_step_and_one_token_more_
     assert all(sum(tokens) <= budget for _, tokens in batches)
     prefill = [sum(tokens) for _, tokens in batches][:-1]   # the steps before the one decode (max_tokens 2)
     assert prefill == [budget] * (n // budget) + ([n % budget] if n % budget else [])
-
-
-# ---- the vocabulary and logprobs --------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("token", [0, 1, VOCAB - 2, VOCAB - 1, -1, VOCAB, VOCAB + 1])
-def test_token_ids_inside_the_vocabulary_are_served_and_outside_refused(ckpt, ref, token):
-    """A prompt holding the id, and the id as a stop token: served on both engines from 0 to vocab_size - 1."""
-    eng = Engine(ckpt, page_size=4, num_pages=16, max_model_len=32)
-    prompt = [5, token, 9]
-    if 0 <= token < VOCAB:
-        run_and_compare(eng, ref, [prompt], greedy(2))
-        params = SamplingParams(max_tokens=2, stop_token_ids=[token])
-        assert eng.generate([prompt], params)[0].token_ids == ref.generate([prompt], params)[0].token_ids
-        return
-    with pytest.raises(ValueError, match=f"prompt 0 holds token id {token}, outside the vocabulary \\[0, {VOCAB}\\)"):
-        eng.generate([prompt], greedy(2))
-    with pytest.raises((ValueError, TypeError), match=f"stop_token_ids.*{token}"):
-        eng.generate([[5, 9]], SamplingParams(max_tokens=2, stop_token_ids=[token]))
-    assert_whole(eng)
-    run_and_compare(eng, ref, [[5, 9]], greedy(2))
-
-
-@pytest.mark.parametrize("logprobs", [0, VOCAB, VOCAB + 1])
-def test_logprobs_up_to_the_vocabulary_size_are_served_and_one_more_refused(ckpt, ref, logprobs):
-    eng = Engine(ckpt, page_size=4, num_pages=16, max_model_len=32)
-    params = greedy(2, logprobs=logprobs)
-    if logprobs > VOCAB:
-        for engine in (eng, ref):
-            with pytest.raises(ValueError, match=f"logprobs={logprobs} exceeds the vocabulary size {VOCAB}"):
-                engine.generate([[5, 9]], params)
-        assert_whole(eng)
-        return
-    out, want = eng.generate([[5, 9]], params)[0], ref.generate([[5, 9]], params)[0]
-    assert out.token_ids == want.token_ids
-    for got, exp, token in zip(out.logprobs, want.logprobs, out.token_ids):
-        assert len(got) == len(exp) == max(1, logprobs) and token in got
-        assert got.keys() == exp.keys()
-        torch.testing.assert_close(torch.tensor([got[t] for t in exp]), torch.tensor(list(exp.values())),
-                                   rtol=0, atol=1e-4)
-    assert_whole(eng)
-
-
-# ---- every other lower bound of the engine's configuration ------------------------------------------------------
-
-@pytest.mark.parametrize("field, low", [
-    ("page_size", 1), ("num_pages", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
-    ("split_kv_threshold", 0), ("split_size", 64)])
-def test_each_engine_argument_at_its_lower_bound_serves_and_one_below_is_refused(ckpt, ref, field, low):
-    """At the bound the engine serves a request its size allows (one page of one token holds a 1-token prompt
-    and 1 token); below it the value is named. split_size is bounded by the split-KV tile (64 here)."""
-    kw = dict(page_size=4, num_pages=16, max_model_len=32)
-    kw[field] = low
-    if field == "num_pages":
-        kw["page_size"] = 2
-    run_and_compare(Engine(ckpt, **kw), ref, [[5, 9]] if field != "num_pages" else [[5]], greedy(2))
-    kw[field] = low - 1
-    with pytest.raises(ValueError, match=f"{field} must be .*{low - 1}"):
-        Engine(ckpt, **kw)
