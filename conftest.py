@@ -42,7 +42,45 @@ def _is_benchmark(config, item) -> bool:
     return item.path.is_relative_to(config.rootpath / "benchmarks")
 
 
+# The smoke tier: the tests that kill the most realistic bugs soonest (every limit, streamed text, the pool and
+# scheduler, every kernel in every dtype, parity's pinned edges, overlap, deterministic mode, cascade), cheapest
+# first. They run first in any selection, so under -x most bugs fail in the first minute (their pinned examples
+# take about 65 s on one core); `-m smoke` runs them alone, as scripts/mutants.py --smoke-only does.
+SMOKE = (
+    "tests/test_limits.py::test_token_ids_inside_the_vocabulary_are_served_and_outside_refused",
+    "tests/test_limits.py::test_logprobs_up_to_the_vocabulary_size_are_served_and_one_more_refused",
+    "tests/test_limits.py::test_each_engine_argument_at_its_lower_bound_serves_and_one_below_is_refused",
+    "tests/test_text.py::test_streamed_pieces_join_to_the_decoded_text_and_split_characters_arrive_whole",
+    "tests/test_engine.py::test_bad_request_raises_value_error_naming_the_value",
+    "tests/test_page_pool.py",
+    "tests/test_scheduler.py::test_every_request_produces_what_it_produces_alone",
+    "tests/test_kernels_fused.py::test_rms_norm_matches_reference_with_and_without_residual",
+    "tests/test_kernels_fused.py::test_rope_store_matches_reference_and_skips_padding_slots",
+    "tests/test_kernels_fused.py::test_act_and_mul_matches_reference",
+    "tests/test_deterministic.py::test_matmul_matches_reference_and_a_rows_bits_ignore_the_other_rows",
+    "tests/test_kernels.py::test_paged_attention_matches_reference",
+    "tests/test_kernels_split.py::test_split_kv_decode_matches_reference_and_single_pass",
+    "tests/test_kernels_cascade.py::test_cascade_decode_is_bitwise_equal_to_split_kv_decode",
+    "tests/test_parity.py::test_greedy_tokens_and_cached_kv_match_reference",
+    "tests/test_async_scheduling.py::test_async_outputs_equal_sync_outputs",
+    "tests/test_limits.py::test_a_request_of_exactly_max_model_len_runs_whatever_the_page_and_split_sizes",
+    "tests/test_text.py::test_both_engines_decode_the_same_nonempty_text_and_streamed_text_joins_to_it",
+    "tests/test_deterministic.py::test_deterministic_tokens_and_kv_are_bitwise_whatever_the_chunks_pages_batch_arrivals_and_preemption",
+    "tests/test_cascade_engine.py::test_cascade_decodes_equal_split_kv_and_the_reference",
+)
+
+
+def _smoke_rank(item) -> int:
+    """The item's place in SMOKE (cheapest first), or len(SMOKE) if it is not a smoke test."""
+    node = item.nodeid.split("[")[0]
+    return next((i for i, s in enumerate(SMOKE) if node == s or node.startswith(s + "::")), len(SMOKE))
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _smoke_rank(item) < len(SMOKE):
+            item.add_marker(pytest.mark.smoke)
+    items.sort(key=_smoke_rank)   # stable: the smoke tier first, in SMOKE's order; the rest in collection order
     # benchmarks/ is collected (testpaths) so that `pytest --benchmark-only` finds it, but its items run
     # only when benchmarks are asked for: a plain test run stays the test suite.
     if not _benchmarks_wanted(config):

@@ -116,6 +116,40 @@ def decode(tokenizer, token_ids: list[int]) -> str:
     return tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
+class TextStream:
+    """One request's generated text in pieces, as its tokens arrive (`push`), then the rest (`finish`): the pieces
+    joined are exactly `decode(tokenizer, all its tokens)`.
+
+    Each push decodes a short window, not every token so far: the tokens since the last piece, after the ones
+    before that piece (their text is subtracted, so a decoder that treats a window's first token differently, e.g.
+    dropping a leading space, does so on both sides). A piece is held back while the text ends in U+FFFD, the
+    replacement for an incomplete UTF-8 sequence, so a character split across byte tokens arrives whole.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0   # the window's first token: the text of [prefix_offset, read_offset) was sent
+        self.read_offset = 0     # tokens after it have not been sent yet
+        self.num_chars = 0       # characters sent
+
+    def push(self, token_ids: list[int]) -> str:
+        """The text that `token_ids`, appended, complete; "" while a character is incomplete."""
+        self.token_ids += token_ids
+        sent = decode(self.tokenizer, self.token_ids[self.prefix_offset:self.read_offset])
+        text = decode(self.tokenizer, self.token_ids[self.prefix_offset:])
+        if len(text) <= len(sent) or text.endswith("\ufffd"):
+            return ""
+        piece = text[len(sent):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.num_chars += len(piece)
+        return piece
+
+    def finish(self) -> str:
+        """The text not sent yet (a held-back incomplete character, as the whole text decodes it)."""
+        return decode(self.tokenizer, self.token_ids)[self.num_chars:]
+
+
 def chat_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of a chat (`[{"role": ..., "content": ...}]`) through the checkpoint's chat template,
     ending with the assistant's turn opened."""

@@ -5,13 +5,16 @@ exactly once). For each, the tracked and untracked-but-not-ignored files are cop
 directory, the edit is applied there, and the CI selection runs with `-x` (stop at the first failure), in
 two stages so that pinned examples run first: the whole selection with Hypothesis kept to its `@example`s
 (about a minute unmutated on 2 cores), then, only for a mutant that survives those, the whole selection as
-CI runs it (random draws too). A mutant is killed when a test fails; it survives when both stages pass.
+CI runs it (random draws too). In both, the smoke tier (the `smoke` marker, conftest.py's SMOKE: the tests
+that kill the most bugs soonest) runs first, so most mutants die within its first minute; `--smoke-only` runs
+that tier's pinned examples alone. A mutant is killed when a test fails; it survives when both stages pass.
 The table says which stage and test killed it and the seconds taken (both stages together).
 
     python scripts/mutants.py                # every mutant, one at a time
     python scripts/mutants.py --list         # names and the bug each plants
     python scripts/mutants.py --only NAME,NAME -j 2
     python scripts/mutants.py --pinned-only  # the first stage only: is each bug killed by a pinned example?
+    python scripts/mutants.py --smoke-only   # the smoke tier's pinned examples only: does the first minute kill it?
     python scripts/mutants.py --baseline     # first run the unmutated selection; tests failing there
                                              # are deselected (and listed), so they cannot "kill" a mutant
 
@@ -40,6 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # cross tiles, splits, pages, GQA groups, mixed batches, prefix hits and seeded sampling), then the cheap
 # unit tests of the pool and scheduler, then the kernels', then the engine's contract.
 SELECTION = [
+    "tests/test_limits.py",
+    "tests/test_text.py",
     "tests/test_parity.py",
     "tests/test_page_pool.py",
     "tests/test_scheduler.py",
@@ -52,7 +57,9 @@ SELECTION = [
     "tests/test_async_scheduling.py",
     "tests/test_cascade_engine.py",
     "tests/test_deterministic.py",
+    "tests/test_bf16_cpu.py",
 ]
+SMOKE_MARKER = "smoke"   # conftest.py runs these first in any selection
 DEFAULT_TIMEOUT = 900   # seconds per mutant: more than the whole selection takes unmutated on 2 cores
 
 
@@ -278,6 +285,48 @@ MUTANTS = [
            "        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1 and not s.pending_is_last]:\n",
            "        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:\n",
            "a decode whose pending token is its last is scheduled again, computing past max_tokens"),
+    # ---- the accepting side of every limit (issue 32: checks that refuse too much passed CI) --------------------
+    Mutant("max_model_len_refuses_a_request_of_exactly_it", "chunkwise/requests.py",
+           "        if len(tokens) + p.max_tokens > max_model_len:\n",
+           "        if len(tokens) + p.max_tokens >= max_model_len:\n",
+           "a request whose prompt + max_tokens equals max_model_len is refused"),
+    Mutant("max_position_embeddings_refused_as_max_model_len", "chunkwise/engine_config.py",
+           "not 2 <= max_len <= limit",
+           "not 2 <= max_len < limit",
+           "max_model_len equal to the checkpoint's max_position_embeddings (the default) is refused"),
+    Mutant("prompt_check_refuses_the_last_vocabulary_id", "chunkwise/tokenizer.py",
+           "        if a.min() >= 0 and a.max() < vocab_size:\n",
+           "        if a.min() >= 0 and a.max() < vocab_size - 1:\n",
+           "a prompt holding token id vocab_size - 1 is refused as outside the vocabulary"),
+    Mutant("stop_token_check_refuses_the_last_vocabulary_id", "chunkwise/requests.py",
+           "if not 0 <= t < vocab_size]",
+           "if not 0 <= t < vocab_size - 1]",
+           "stop token id vocab_size - 1 is refused as outside the vocabulary"),
+    Mutant("logprobs_of_the_whole_vocabulary_refused", "chunkwise/requests.py",
+           "params.logprobs > vocab_size",
+           "params.logprobs >= vocab_size",
+           "logprobs=vocab_size (every token's logprob) is refused"),
+    # ---- sizes derived from the configuration ----------------------------------------------------------------------
+    Mutant("pages_per_sequence_rounded_down", "chunkwise/engine_config.py",
+           "        return math.ceil(self.max_model_len / self.page_size)\n",
+           "        return self.max_model_len // self.page_size\n",
+           "max_pages_per_seq rounds max_model_len / page_size down, so a request of exactly max_model_len outgrows "
+           "its page-table row when page_size does not divide max_model_len"),
+    # ---- streamed text ------------------------------------------------------------------------------------------------
+    Mutant("text_stream_sends_partial_characters", "chunkwise/tokenizer.py",
+           'if len(text) <= len(sent) or text.endswith("\\ufffd"):',
+           "if len(text) <= len(sent):",
+           "streamed text sends U+FFFD for a character whose bytes have not all arrived, then the character"),
+    Mutant("text_stream_drops_the_held_back_tail", "chunkwise/tokenizer.py",
+           "        return decode(self.tokenizer, self.token_ids)[self.num_chars:]\n",
+           '        return ""\n',
+           "a streamed request's last piece leaves out the text held back for an incomplete character"),
+    # ---- every dtype through every kernel ---------------------------------------------------------------------------
+    Mutant("matmul_truncates_to_bf16", "chunkwise/kernels/matmul.py",
+           "cast(acc, out_ptr.dtype.element_ty)",
+           "acc.to(out_ptr.dtype.element_ty)",
+           "the deterministic matmul stores with a plain .to(), which the interpreter truncates for bf16 instead of "
+           "rounding to nearest even"),
 ]
 
 
@@ -339,7 +388,8 @@ def pytest_configure(config):
 
 
 def run_selection(m: Mutant | None, timeout: float = DEFAULT_TIMEOUT, pinned_only: bool = False,
-                  deselect: tuple[str, ...] = (), stop_first: bool = True, python: str = sys.executable) -> Result:
+                  deselect: tuple[str, ...] = (), stop_first: bool = True, python: str = sys.executable,
+                  smoke_only: bool = False) -> Result:
     """One pytest run of the CI selection on a copy of the tree with mutant m planted (None: as it is)."""
     name = m.name if m is not None else "baseline"
     with tempfile.TemporaryDirectory(prefix=f"mutant-{name}-") as tmp:
@@ -349,7 +399,8 @@ def run_selection(m: Mutant | None, timeout: float = DEFAULT_TIMEOUT, pinned_onl
             apply(m, tree)
         env = dict(os.environ, CI="true", PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
         env.pop("CHUNKWISE_HYPOTHESIS_PROFILE", None)    # CI's own profile, as in CI
-        cmd = [python, "-m", "pytest", *SELECTION, "-q", "-p", "no:cacheprovider", "-m", "not gpu and not slow"]
+        marks = f"{SMOKE_MARKER} and not gpu and not slow" if smoke_only else "not gpu and not slow"
+        cmd = [python, "-m", "pytest", *SELECTION, "-q", "-p", "no:cacheprovider", "-m", marks]
         cmd += ["-x"] if stop_first else []
         cmd += [arg for node in deselect for arg in ("--deselect", node)]
         if pinned_only:
@@ -365,7 +416,7 @@ def run_selection(m: Mutant | None, timeout: float = DEFAULT_TIMEOUT, pinned_onl
             out, _ = proc.communicate()
             return Result(m, "TIMEOUT", f"no failure within {timeout:.0f} s", time.monotonic() - start, out[-3000:])
         seconds = time.monotonic() - start
-    stage = "pinned" if pinned_only else "full"
+    stage = "smoke" if smoke_only else "pinned" if pinned_only else "full"
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, flags=re.M)
     if proc.returncode == 1 and failed:
         message = next(iter(re.findall(r"^E +(.+)$", out, flags=re.M)), "")
@@ -376,9 +427,12 @@ def run_selection(m: Mutant | None, timeout: float = DEFAULT_TIMEOUT, pinned_onl
 
 
 def run_one(m: Mutant, timeout: float = DEFAULT_TIMEOUT, pinned_only: bool = False,
-            deselect: tuple[str, ...] = ()) -> Result:
-    """The pinned examples of the whole selection first; the full selection (random draws too) only for a
-    mutant they miss, unless pinned_only. Seconds add up over both runs."""
+            deselect: tuple[str, ...] = (), smoke_only: bool = False) -> Result:
+    """The pinned examples of the whole selection first (the smoke tier's first of all); the full selection (random
+    draws too) only for a mutant they miss, unless pinned_only or smoke_only (the smoke tier's pinned examples
+    alone). Seconds add up over both runs."""
+    if smoke_only:
+        return run_selection(m, timeout, pinned_only=True, deselect=deselect, smoke_only=True)
     first = run_selection(m, timeout, pinned_only=True, deselect=deselect)
     if pinned_only or first.verdict != "SURVIVED":
         return first
@@ -405,6 +459,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds per mutant")
     ap.add_argument("--pinned-only", action="store_true",
                     help="only the first stage: Hypothesis runs the @example-pinned cases (stateful tests none)")
+    ap.add_argument("--smoke-only", action="store_true",
+                    help="only the smoke tier's pinned examples (the first minute of the first stage)")
     ap.add_argument("--baseline", action="store_true",
                     help="first run the unmutated selection; deselect the tests that fail there")
     ap.add_argument("--deselect", action="append", default=[], metavar="NODEID",
@@ -429,7 +485,8 @@ def main(argv=None) -> int:
         return 2
     deselect = tuple(args.deselect)
     if args.baseline:
-        base = run_selection(None, args.timeout, pinned_only=args.pinned_only, deselect=deselect, stop_first=False)
+        base = run_selection(None, args.timeout, pinned_only=args.pinned_only or args.smoke_only, deselect=deselect,
+                             stop_first=False, smoke_only=args.smoke_only)
         if base.verdict == "killed":
             print(f"the unmutated tree fails {base.first_failure}: deselected from every mutant run", flush=True)
             deselect += tuple(base.first_failure.split())
@@ -439,7 +496,8 @@ def main(argv=None) -> int:
         print(f"baseline: {base.seconds:.0f} s", flush=True)
     results = []
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        for r in pool.map(lambda m: run_one(m, args.timeout, pinned_only=args.pinned_only, deselect=deselect),
+        for r in pool.map(lambda m: run_one(m, args.timeout, pinned_only=args.pinned_only, deselect=deselect,
+                                            smoke_only=args.smoke_only),
                           chosen):
             print(f"{r.mutant.name}: {r.verdict} {r.first_failure} ({r.seconds:.0f} s)", flush=True)
             if r.message:

@@ -90,3 +90,52 @@ def tiny_ckpt_with_tokenizer(tmp_path_factory):
     shutil.copytree(tiny_checkpoint("llama"), path)
     tok.save_pretrained(path)
     return path
+
+
+def byte_level_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer (GPT-2's byte alphabet) of exactly vocab_size ids: 0..2 are <pad>, <s>, </s>,
+    3..258 the 256 single bytes (so 128 of them are partial UTF-8 sequences, decoding to U+FFFD alone), and the
+    rest merges spelling multi-byte characters and common ASCII pairs. Every id a tiny model can generate decodes
+    to some text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_char = bytes_to_unicode()
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{byte_char[b]: 3 + b for b in range(256)}}
+    merges = []
+
+    def spell(word: bytes) -> None:   # merges building the word left to right, one byte at a time
+        sym = byte_char[word[0]]
+        for b in word[1:]:
+            if len(vocab) == vocab_size:
+                return
+            if sym + byte_char[b] not in vocab:
+                merges.append((sym, byte_char[b]))
+                vocab[sym + byte_char[b]] = len(vocab)
+            sym += byte_char[b]
+
+    for word in ["é", "ü", "ß", "€", "→", "日本", "中文", "😀", " the", " and", "ing"]:
+        spell(word.encode())
+    pairs = (a + b for a in "etaoinshr " for b in "etaoinshr .,")
+    while len(vocab) < vocab_size:
+        spell(next(pairs).encode())
+    backend = Tokenizer(models.BPE(vocab, merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_with_byte_tokenizer(tmp_path_factory):
+    """The tiny Qwen3 checkpoint (the `ckpt` fixture's weights) plus `byte_level_tokenizer` over its whole
+    vocabulary, saved beside it as tokenizer.json: its outputs have text, including characters split across
+    tokens."""
+    import shutil
+
+    from chunkwise.checkpoints import TINY_VOCAB_SIZE
+
+    path = tmp_path_factory.mktemp("tokenized") / "tiny-qwen3-bytes"
+    shutil.copytree(tiny_checkpoint("qwen3"), path)
+    byte_level_tokenizer(TINY_VOCAB_SIZE).save_pretrained(path)
+    return path

@@ -9,6 +9,7 @@ from hypothesis import example, given, settings, strategies as st
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from deterministic_cases import Arrival, Case, assert_bitwise, cases, run_case, solo_run
 from chunkwise.kernels import matmul, matmul_ref, paged_attention
+from chunkwise.kernels.testing import DTYPES
 import chunkwise.engine.model
 from chunkwise.engine import Engine, SamplingParams
 
@@ -41,10 +42,10 @@ def solo(ckpt, prompts):
     return tokens, kv
 
 
-@given(m=st.integers(1, 80), n=st.integers(1, 300), k=st.integers(1, 150), dtype=st.sampled_from(
-    [torch.float32, torch.float16]), data=st.data())
+@given(m=st.integers(1, 80), n=st.integers(1, 300), k=st.integers(1, 150), dtype=st.sampled_from(DTYPES), data=st.data())
 @example(m=1, n=1, k=1, dtype=torch.float32, data=None)
 @example(m=65, n=257, k=65, dtype=torch.float16, data=None)   # one past every interpreter tile
+@example(m=65, n=257, k=65, dtype=torch.bfloat16, data=None)  # every dtype the CPU engine accepts
 def test_matmul_matches_reference_and_a_rows_bits_ignore_the_other_rows(m, n, k, dtype, data):
     gen = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
     x = torch.randn(m, k, generator=gen).to(dtype)

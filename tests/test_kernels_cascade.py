@@ -155,6 +155,7 @@ def test_cascade_decode_is_bitwise_equal_to_split_kv_decode(spec, device):
 
 @given(spec=batches())
 @example(spec=_spec([(128, (64, 0), [(0, 5), (0, 70), (None, 3)])], window=90, dtype=torch.float16))
+@example(spec=_spec([(130, (0, 0), [(None, 1), (None, 9)])], head_dim=16, dtype=torch.bfloat16, page_size=4))
 @FEWER
 def test_cascade_decode_matches_its_reference_and_full_attention(spec, device):
     cache, q, seqs = _build(spec, device)

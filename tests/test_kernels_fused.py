@@ -55,6 +55,10 @@ def _nan(t):
          dtype=torch.float32, seed=0)
 @example(hidden=100, whole_blocks=0, extra_rows=1, mode="add_pre", plus_one=True, x_scale=1e-3,
          dtype=torch.float16, seed=1)
+@example(hidden=896, whole_blocks=1, extra_rows=-1, mode="add", plus_one=True, x_scale=1.0,
+         dtype=torch.bfloat16, seed=2)   # every dtype the engine accepts, pinned: each is one draw of three
+@example(hidden=64, whole_blocks=0, extra_rows=2, mode="plain", plus_one=False, x_scale=1.0,
+         dtype=torch.bfloat16, seed=3)
 def test_rms_norm_matches_reference_with_and_without_residual(
         hidden, whole_blocks, extra_rows, mode, plus_one, x_scale, dtype, seed, device):
     """Row counts around multiples of the rows one program takes; hidden sizes not powers of two. x_scale
@@ -111,6 +115,8 @@ def test_rms_norm_rows_are_bitwise_independent_of_their_batch(hidden, rows, pre,
          dtype=torch.float32, seed=2)
 @example(heads=(4, 1), head_dim=256, num_tokens=5, page_size=3, qk_norm=True, bias=False, plus_one=True,
          dtype=torch.float16, seed=3)
+@example(heads=(4, 2), head_dim=16, num_tokens=11, page_size=4, qk_norm=True, bias=True, plus_one=False,
+         dtype=torch.bfloat16, seed=4)   # the tiny engines' shape, in bf16
 def test_rope_store_matches_reference_and_skips_padding_slots(
         heads, head_dim, num_tokens, page_size, qk_norm, bias, plus_one, dtype, seed, device):
     """Random slots in a NaN-filled pool, about a fifth of them -1 (padding): those tokens store nothing, the
@@ -155,6 +161,8 @@ def test_rope_store_matches_reference_and_skips_padding_slots(
        seed=st.integers(0, 2**16))
 @example(inter=1, whole_blocks=0, extra_rows=1, act="silu", dtype=torch.float32, seed=0)
 @example(inter=683, whole_blocks=1, extra_rows=1, act="gelu_pytorch_tanh", dtype=torch.float16, seed=1)
+@example(inter=128, whole_blocks=0, extra_rows=3, act="silu", dtype=torch.bfloat16, seed=2)
+@example(inter=100, whole_blocks=1, extra_rows=-1, act="gelu_pytorch_tanh", dtype=torch.bfloat16, seed=3)
 def test_act_and_mul_matches_reference(inter, whole_blocks, extra_rows, act, dtype, seed, device):
     """Intermediate sizes from 1 to odd ones; gate values spread to +-12, where SiLU and GELU saturate."""
     block_cols = min(triton.next_power_of_2(inter), 1024) if device.type == "cuda" else triton.next_power_of_2(inter)

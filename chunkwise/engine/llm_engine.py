@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from chunkwise.engine_config import EngineConfig
 from chunkwise.requests import single_prompt, validate_requests
 from chunkwise.sampling import RequestOutput, SamplingParams
-from chunkwise.tokenizer import decode, load_tokenizer
+from chunkwise.tokenizer import TextStream, decode, load_tokenizer
 from chunkwise.engine.host_step import Launched
 from chunkwise.engine.page_pool import PagePool
 from chunkwise.engine.parallel.executor import Executor, MultiprocExecutor
@@ -54,6 +54,9 @@ class StepOutput:
     new_logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     output: RequestOutput | None = None     # set once finished
+    # A request queued by add_request, with a tokenizer: the text its tokens so far complete (TextStream); joined
+    # over its steps, its output's text.
+    new_text: str = ""
 
     @property
     def finished(self) -> bool:
@@ -86,6 +89,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.page_pool, self.model_config.eos_token_ids)
         self._claims: dict[int, list[StepOutput]] = {}       # outputs collected by a generate/prefill_kv call
         self._backlog: list[StepOutput] = []                 # streamed requests' outputs made inside those calls
+        self._texts: dict[int, TextStream] = {}              # streamed requests' text so far, with a tokenizer
         self._num_ids = 0                                    # request ids handed out: 0 .. _num_ids - 1
         self._in_flight: _Step | None = None                 # launched, not yet postprocessed (overlap only)
         self._lock = threading.RLock()
@@ -135,7 +139,10 @@ class Engine:
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, chunk_sizes=None) -> int:
         """Queue one prompt; returns its request id. Tokens arrive through `step`."""
         with self._lock:
-            return self._submit(self._prepare(single_prompt(prompt), sampling_params, [chunk_sizes])[0])
+            rid = self._submit(self._prepare(single_prompt(prompt), sampling_params, [chunk_sizes])[0])
+            if self.tokenizer is not None:
+                self._texts[rid] = TextStream(self.tokenizer)
+            return rid
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """Stop a request and free its pages; returns its output (the tokens so far, finish_reason "abort"),
@@ -145,6 +152,7 @@ class Engine:
             if not isinstance(request_id, int) or not 0 <= request_id < self._num_ids:
                 raise ValueError(f"no request with id {request_id!r}")
             seq = self.scheduler.abort(request_id)
+            self._texts.pop(request_id, None)
             if seq is None:
                 return None
             final = self._ended(seq, "abort")
@@ -173,7 +181,18 @@ class Engine:
         overlap scheduling, what the step before got, once this one is launched."""
         with self._lock:
             backlog, self._backlog = self._backlog, []
-            return backlog + self._route(self._step())
+            return self._stream_text(backlog + self._route(self._step()))
+
+    def _stream_text(self, outs: list[StepOutput]) -> list[StepOutput]:
+        """Sets each streamed request's new_text; a finished one's holds all its text not sent before."""
+        for o in outs:
+            stream = self._texts.get(o.request_id)
+            if stream is not None:
+                o.new_text = stream.push(o.new_token_ids)
+                if o.finished:
+                    o.new_text += stream.finish()
+                    del self._texts[o.request_id]
+        return outs
 
     def _route(self, outs: list[StepOutput]) -> list[StepOutput]:
         """Hands claimed requests' outputs to their claimant; returns the others."""

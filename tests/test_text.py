@@ -1,0 +1,85 @@
+"""Output text on both engines, with a byte-level tokenizer covering every id of the tiny model (so text is never
+empty, and characters split across byte tokens occur): the engines' texts are equal, and a streamed request's
+pieces (StepOutput.new_text, from chunkwise.tokenizer.TextStream) join to its output's text, each split character
+arriving whole."""
+import pytest
+from hypothesis import example, given, settings, strategies as st
+
+import chunkwise.reference
+from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
+from chunkwise.engine import Engine, SamplingParams
+from chunkwise.tokenizer import TextStream, decode, load_tokenizer
+
+pytestmark = pytest.mark.correctness
+
+BYTE0 = 3                               # id of byte 0x00 in `byte_level_tokenizer`
+EURO = [BYTE0 + b for b in "€".encode()]            # one character as three byte tokens
+SMILE = [BYTE0 + b for b in "😀".encode()]          # four
+PROMPTS = [[5, 9, 14, 3, 22, 8, 17], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70], [200, 150, 300]]
+PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_ckpt_with_byte_tokenizer):
+    return load_tokenizer(tiny_ckpt_with_byte_tokenizer)
+
+
+def partial_utf8(tokenizer, ids) -> bool:
+    """Whether some id is a single byte that starts a multi-byte UTF-8 character (decoding to U+FFFD alone)."""
+    return any(BYTE0 + 0xC2 <= i < BYTE0 + 0xF5 for i in ids)
+
+
+def test_the_byte_tokenizer_gives_every_id_of_the_tiny_vocabulary_text(tokenizer):
+    assert len(tokenizer) == VOCAB
+    assert all(decode(tokenizer, [i]) for i in range(BYTE0, VOCAB)), "an id decodes to no text"
+    assert decode(tokenizer, EURO) == "€" and decode(tokenizer, EURO[:2]) == "\ufffd"
+
+
+@settings(max_examples=5 * settings().max_examples)
+@example(groups=[EURO[:1], EURO[1:2], EURO[2:]])                       # a character over three steps
+@example(groups=[[BYTE0 + ord("a")] + SMILE[:2], SMILE[2:] + [BYTE0 + ord("b")]])
+@example(groups=[[BYTE0 + 0x80], [BYTE0 + ord("x")], [BYTE0 + 0xE2], [2], [BYTE0 + 0x82]])   # stray bytes, EOS
+@given(groups=st.lists(st.lists(st.integers(0, VOCAB - 1) | st.sampled_from(EURO + SMILE), max_size=4),
+                       min_size=1, max_size=12))
+def test_streamed_pieces_join_to_the_decoded_text_and_split_characters_arrive_whole(tokenizer, groups):
+    text = decode(tokenizer, [t for g in groups for t in g])
+    stream, pieces = TextStream(tokenizer), []
+    for group in groups:
+        pieces.append(stream.push(group))
+        # What was sent is always a prefix of the whole text: a character split over tokens is never sent as
+        # U+FFFD before its last byte arrives.
+        assert text.startswith("".join(pieces)), f"sent {pieces!r}, the text is {text!r}"
+    pieces.append(stream.finish())
+    assert "".join(pieces) == text
+    if groups == [EURO[:1], EURO[1:2], EURO[2:]]:
+        assert pieces == ["", "", "€", ""]
+
+
+def stream_all(engine, prompts, params) -> dict[int, tuple[str, object]]:
+    """Each prompt through add_request/step: (its new_text pieces joined, its output)."""
+    rids = [engine.add_request(p, params) for p in prompts]
+    pieces, outputs = {r: [] for r in rids}, {}
+    while engine.has_unfinished():
+        for r in engine.step():
+            pieces[r.request_id].append(r.new_text)
+            if r.finished:
+                outputs[r.request_id] = r.output
+    return [("".join(pieces[r]), outputs[r]) for r in rids]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_both_engines_decode_the_same_nonempty_text_and_streamed_text_joins_to_it(
+        tiny_ckpt_with_byte_tokenizer, tokenizer, overlap):
+    ref = chunkwise.reference.Engine(tiny_ckpt_with_byte_tokenizer, max_model_len=64)
+    eng = Engine(tiny_ckpt_with_byte_tokenizer, page_size=4, num_pages=32, max_model_len=64, async_scheduling=overlap)
+    want = ref.generate(PROMPTS, PARAMS)
+    got = eng.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert partial_utf8(tokenizer, [t for o in want for t in o.token_ids]), \
+        "no generated id is a partial UTF-8 byte: the test lost its split characters"
+    for o, w in zip(got, want):
+        assert o.text and o.text == w.text == decode(tokenizer, w.token_ids)
+    streamed = stream_all(eng, PROMPTS, PARAMS)
+    for (joined, out), w in zip(streamed, want):
+        assert out.token_ids == w.token_ids
+        assert joined == out.text == w.text
