@@ -11,8 +11,8 @@ compiles nothing.
 
 Tensor parallel (`tp`): this runner is one rank's, over its shard; its KV cache holds the rank's KV heads, and
 every rank agrees on the pool size (the smallest any rank can hold). Rank 0's runner (the engine's) has the
-`workers` and sends them each step's HostStep (with the page-table writes it made, since workers have no
-sequences) before its own forward; a worker's runner replays it (`run_host`). Every rank then runs the same
+`workers` and sends them each step's HostStep (with the batch's page changes, which every rank's page tables
+apply alike) before its own forward; a worker's runner replays it (`run_host`). Every rank then runs the same
 forward, eager or the same CUDA graph, so the collectives inside match.
 
 Overlap scheduling: `run` launches a step and returns without waiting for the device; greedy tokens are
@@ -37,6 +37,7 @@ from chunkwise.engine_config import EngineConfig
 from chunkwise.sampling import make_generator, sample, token_logprobs
 from chunkwise.kernels.cascade import CascadeGroups, cascade_groups, cascade_item_size
 from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE, split_tile_config
+from chunkwise.engine.page_pool import PageChanges
 from chunkwise.engine.page_tables import PageTables
 from chunkwise.engine.model import Model, StepInputs
 from chunkwise.engine.tensor_parallel import TensorParallel
@@ -65,8 +66,7 @@ class HostStep:
     query_start_loc: np.ndarray  # int32 [P + 1], prefill rows only
     num_prefill: int             # P
     cascade: CascadeGroups | None = None   # the decodes' shared splits (host tensors)
-    table_updates: np.ndarray | None = None   # int64 [3, U]: PageTables writes of this step (rows, cols, pages)
-    table_rows: int = 0                       # rows of the page table after them
+    page_changes: PageChanges = field(default_factory=PageChanges.none)   # the batch's, applied to PageTables
     # Whether a row samples from the logits or asks for logprobs (SamplingParams.needs_logits): only then does
     # the host read the logits (so the step cannot overlap the next), and under tensor parallelism only then are
     # they gathered whole (each rank's argmax is enough for greedy tokens).
@@ -198,6 +198,7 @@ class ModelRunner:
         on the sequence alone, so a token's path (and its bits) never depends on what else is batched.
         Returns the sequences that sample this step (the batch's `samples`), in logits-row order.
         """
+        self.tables.apply(batch.page_changes)   # first, so a step failing below has still applied them
         prefill, decode = [], []
         threshold = self.split_kv_threshold
         for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
@@ -235,7 +236,7 @@ class ModelRunner:
                         cascade=self._cascade(rows[len(prefill):], start[len(prefill):] + 1),
                         pending=(ends - 1)[pending], pending_src=src,
                         needs_logits=any(s.sampling_params.needs_logits for s, _, keep, _ in entries if keep),
-                        table_updates=self.tables.updates, table_rows=self.tables.table.shape[0])
+                        page_changes=batch.page_changes)
         return host, [e[0] for e in entries if e[2]]
 
     def _cascade(self, rows: np.ndarray, seq_lens: np.ndarray) -> CascadeGroups | None:
@@ -314,10 +315,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_host(self, host: HostStep) -> None:
-        """A tensor-parallel worker's part of rank 0's step: its page-table writes, then the forward and its
+        """A tensor-parallel worker's part of rank 0's step: its page changes, then the forward and its
         collectives. Every rank gets the same argmax tokens as rank 0, so under overlap a worker feeds pending
         tokens from its own device, bit for bit rank 0's."""
-        self.tables.apply(host.table_updates, host.table_rows)
+        self.tables.apply(host.page_changes)
         self.last_tokens = self._logits_and_tokens(host)[1]
 
     def _logits_and_tokens(self, host: HostStep) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -558,8 +559,8 @@ class ModelRunner:
         return tokens, logprobs
 
     def release(self, seq_id: int):
+        """Forget a finished sequence's generator (its page-table row goes back through the next PageChanges)."""
         self.generators.pop(seq_id, None)
-        self.tables.release(seq_id)
 
     def gather_kv(self, seq, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [num_layers, num_tokens, kv_heads, head_dim] of a sequence's first tokens, from its pages
