@@ -305,3 +305,21 @@ def test_match_prefix_of_a_computed_prompt_takes_all_full_pages_before_the_last_
     bm.free(run_prompt(bm, 0, prompt))
     again = Sequence(1, prompt)
     assert bm.match_prefix(again) == (len(prompt) - 1) // page_size * page_size
+
+
+def test_a_sequence_freed_and_retaken_between_two_reports_starts_over_at_column_zero():
+    """Preempted after taking a page, readmitted before the next report: the report releases it and gives it
+    only its new pages, from column 0 (not after its old ones)."""
+    bm = PagePool(8, 1)
+    seq = Sequence(0, [1, 2, 3, 4])
+    bm.allocate(seq, 2)
+    bm.take_changes()
+    seq.num_computed_tokens = 2
+    bm.allocate(seq, 1)           # a page the tables have not heard of
+    bm.free(seq)                  # preempted
+    bm.allocate(seq, 2)           # readmitted
+    changes = bm.take_changes()
+    assert changes.released.tolist() == [0]
+    assert (changes.seq_ids.tolist(), changes.first_columns.tolist(), changes.page_ids.tolist()) == \
+        ([0], [0], seq.page_table)
+    assert bm.take_changes().released.size == 0, "a report was repeated"
