@@ -262,6 +262,11 @@ MUTANTS = [
            '            if self.scheduler.abort(seq.seq_id, reason="error") is None:\n',
            "            if self.scheduler.seqs.pop(seq.seq_id, None) is None:\n",
            "failure isolation forgets a failed step's requests without freeing their pages"),
+    Mutant("failed_launch_loses_its_releases", "chunkwise/engine/llm_engine.py",
+           "            self.page_pool.release_again(batch.page_changes)   # the page tables may not have applied them\n",
+           "",
+           "a step that fails before the runner applied its page changes loses the releases they carried: "
+           "those sequences keep their page-table rows forever"),
     # ---- overlap scheduling ---------------------------------------------------------------------------------
     Mutant("overlap_feeds_the_token_before_the_pending_one", "chunkwise/engine/model_runner.py",
            "        pending = start + n > np.array([len(s.token_ids) for s in seqs], np.int64)\n",

@@ -37,6 +37,8 @@ def assert_idle_and_whole(eng):
     assert not eng.has_unfinished()
     assert eng.page_pool.num_free_pages == eng.page_pool.num_pages, "pages leaked"
     assert not eng.runner.generators, "a finished request's generator was kept"
+    eng.runner.tables.apply(eng.page_pool.take_changes())   # the releases the next step would carry
+    assert not eng.runner.tables.seq_ids, "a finished request kept its page-table row"
 
 
 @pytest.mark.parametrize("call, error, match", [
