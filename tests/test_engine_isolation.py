@@ -148,6 +148,22 @@ def test_a_failing_step_leaves_the_step_before_it_whole(engine, solo, monkeypatc
     assert_idle_and_whole(engine)
 
 
+def test_a_step_failing_to_launch_still_releases_the_page_table_rows_it_carried(engine, monkeypatch):
+    """The step after a request finishes carries the release of its page-table row; when that step fails before
+    the runner applied its page changes, the release goes out again with the next ones: an idle engine holds no
+    row."""
+    short = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=1, ignore_eos=True))
+    long = engine.add_request(PROMPTS[1], GREEDY)
+    finished = []
+    while short not in finished:
+        finished += [o.request_id for o in engine.step() if o.finished]
+    fail_on(engine, monkeypatch, "run", lambda: True)
+    outs = [o for o in engine.step() if o.finished]
+    assert [(o.request_id, o.finish_reason) for o in outs] == [(long, "error")]
+    monkeypatch.undo()
+    assert_idle_and_whole(engine)
+
+
 CONTEXT: dict = {}   # the engine, the solo outputs and the fault switch of the running state machine
 
 
