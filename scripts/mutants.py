@@ -41,12 +41,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # The CI selection, in the order that kills fastest: the parity property's pinned examples come first (they
 # cross tiles, splits, pages, GQA groups, mixed batches, prefix hits and seeded sampling), then the cheap
-# unit tests of the pool and scheduler, then the kernels', then the engine's contract.
+# unit tests of the pool, its page tables and the scheduler, then the kernels', then the engine's contract.
 SELECTION = [
     "tests/test_limits.py",
     "tests/test_text.py",
     "tests/test_parity.py",
     "tests/test_page_pool.py",
+    "tests/test_page_tables.py",
     "tests/test_scheduler.py",
     "tests/test_kernels_split.py",
     "tests/test_kernels.py",
@@ -241,6 +242,15 @@ MUTANTS = [
            "        page_id, _ = self.evictable.popitem(last=False)\n",
            "        page_id, _ = self.evictable.popitem(last=True)\n",
            "prefix-cache eviction takes the most recently freed page instead of the least"),
+    Mutant("retaken_pages_written_after_the_old_ones", "chunkwise/engine/page_pool.py",
+           "            self._new.pop(seq.seq_id, None)   # pages it took since the last changes are gone with the rest\n",
+           "",
+           "a sequence freed (preempted) and given pages again before the next page changes keeps its old report: "
+           "its new pages are written after its old ones, from its old first column, instead of from column 0"),
+    Mutant("freed_row_never_released", "chunkwise/engine/page_pool.py",
+           "            self._released[seq.seq_id] = None\n        seq.page_table = []\n",
+           "        seq.page_table = []\n",
+           "freeing a sequence's pages never reports it freed, so its page-table row is never released"),
     # ---- scheduler, engine ------------------------------------------------------------------------------
     Mutant("preemption_forgets_generated_tokens", "chunkwise/engine/scheduler.py",
            "        seq.status = SequenceStatus.WAITING\n        seq.num_preemptions += 1\n",
@@ -259,6 +269,11 @@ MUTANTS = [
            '            if self.scheduler.abort(seq.seq_id, reason="error") is None:\n',
            "            if self.scheduler.seqs.pop(seq.seq_id, None) is None:\n",
            "failure isolation forgets a failed step's requests without freeing their pages"),
+    Mutant("failed_launch_loses_its_releases", "chunkwise/engine/llm_engine.py",
+           "            self.page_pool.release_again(batch.page_changes)   # the page tables may not have applied them\n",
+           "",
+           "a step that fails before the runner applied its page changes loses the releases they carried: "
+           "those sequences keep their page-table rows forever"),
     # ---- overlap scheduling ---------------------------------------------------------------------------------
     Mutant("overlap_feeds_the_token_before_the_pending_one", "chunkwise/engine/model_runner.py",
            "        pending = start + n > np.array([len(s.token_ids) for s in seqs], np.int64)\n",

@@ -37,6 +37,8 @@ def assert_idle_and_whole(eng):
     assert not eng.has_unfinished()
     assert eng.page_pool.num_free_pages == eng.page_pool.num_pages, "pages leaked"
     assert not eng.executor.sampler.generators, "a finished request's generator was kept"
+    eng.executor.runner.tables.apply(eng.page_pool.take_changes())   # the releases the next step would carry
+    assert not eng.executor.runner.tables.seq_ids, "a finished request kept its page-table row"
 
 
 @pytest.mark.parametrize("call, error, match", [
@@ -144,6 +146,22 @@ def test_a_failing_step_leaves_the_step_before_it_whole(engine, solo, monkeypatc
     outs = engine.generate(PROMPTS[:2], [SamplingParams(max_tokens=2, ignore_eos=True), GREEDY])
     assert (outs[0].token_ids, outs[0].finish_reason) == (solo[0][:2], "length")
     assert (outs[1].token_ids, outs[1].finish_reason) == (solo[1][:2], "error")
+    assert_idle_and_whole(engine)
+
+
+def test_a_step_failing_to_launch_still_releases_the_page_table_rows_it_carried(engine, monkeypatch):
+    """The step after a request finishes carries the release of its page-table row; when that step fails before
+    the runner applied its page changes, the release goes out again with the next ones: an idle engine holds no
+    row."""
+    short = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=1, ignore_eos=True))
+    long = engine.add_request(PROMPTS[1], GREEDY)
+    finished = []
+    while short not in finished:
+        finished += [o.request_id for o in engine.step() if o.finished]
+    fail_on(engine, monkeypatch, "run", lambda: True)
+    outs = [o for o in engine.step() if o.finished]
+    assert [(o.request_id, o.finish_reason) for o in outs] == [(long, "error")]
+    monkeypatch.undo()
     assert_idle_and_whole(engine)
 
 

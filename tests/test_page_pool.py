@@ -1,4 +1,5 @@
-"""The page pool and its prefix cache: exact reuse, reference counts, LRU eviction, no leaks.
+"""The page pool and its prefix cache: exact reuse, reference counts, LRU eviction, no leaks; and the page
+changes it reports (`take_changes`) rebuild every live sequence's page table.
 
 A shadow "K/V" is kept per page slot: the whole token prefix up to and including that slot's token,
 which is what a real token's K/V depends on. Reuse is exact iff a reused slot's shadow equals the
@@ -6,6 +7,7 @@ reusing sequence's own prefix at that position.
 """
 import re
 
+import numpy as np
 import pytest
 from hypothesis import event, given, note, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -46,6 +48,7 @@ class PagePoolMachine(RuleBasedStateMachine):
         self.live: dict[int, Sequence] = {}
         self.pending: dict[int, int] = {}      # tokens allocated for a step not yet computed
         self.next_id = 0
+        self.reported: dict[int, list[int]] = {}   # page tables as rebuilt from take_changes alone
 
     def _draw_prompt(self, data):
         base = data.draw(st.sampled_from(BASES))
@@ -138,6 +141,20 @@ class PagePoolMachine(RuleBasedStateMachine):
         self.pending.clear()
         assert self.bm.num_free_pages == self.bm.num_pages
         assert all(p.ref_count == 0 for p in self.bm.pages)
+
+    @rule()
+    def take_changes(self):
+        """What the pool reported since the last call, applied to page tables rebuilt from the reports alone,
+        gives every live sequence's page table, and no table to a sequence that holds no pages."""
+        changes = self.bm.take_changes()
+        for seq_id in changes.released.tolist():
+            self.reported.pop(seq_id, None)
+        new = np.split(changes.page_ids, np.cumsum(changes.num_new_pages)[:-1]) if len(changes.seq_ids) else []
+        for seq_id, first, pages in zip(changes.seq_ids.tolist(), changes.first_columns.tolist(), new):
+            table = self.reported.setdefault(seq_id, [])
+            assert first == len(table), f"sequence {seq_id}'s new pages start at column {first}, after {table}"
+            table += pages.tolist()
+        assert self.reported == {i: s.page_table for i, s in self.live.items() if s.page_table}
 
     @invariant()
     def page_states_partition_the_pool(self):
@@ -288,3 +305,21 @@ def test_match_prefix_of_a_computed_prompt_takes_all_full_pages_before_the_last_
     bm.free(run_prompt(bm, 0, prompt))
     again = Sequence(1, prompt)
     assert bm.match_prefix(again) == (len(prompt) - 1) // page_size * page_size
+
+
+def test_a_sequence_freed_and_retaken_between_two_reports_starts_over_at_column_zero():
+    """Preempted after taking a page, readmitted before the next report: the report releases it and gives it
+    only its new pages, from column 0 (not after its old ones)."""
+    bm = PagePool(8, 1)
+    seq = Sequence(0, [1, 2, 3, 4])
+    bm.allocate(seq, 2)
+    bm.take_changes()
+    seq.num_computed_tokens = 2
+    bm.allocate(seq, 1)           # a page the tables have not heard of
+    bm.free(seq)                  # preempted
+    bm.allocate(seq, 2)           # readmitted
+    changes = bm.take_changes()
+    assert changes.released.tolist() == [0]
+    assert (changes.seq_ids.tolist(), changes.first_columns.tolist(), changes.page_ids.tolist()) == \
+        ([0], [0], seq.page_table)
+    assert bm.take_changes().released.size == 0, "a report was repeated"

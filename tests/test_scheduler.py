@@ -3,16 +3,19 @@
 Because the fake model's output depends only on a sequence's own tokens, every request must produce
 exactly what it produces alone, whatever the batching, chunking, preemption or prefix-cache hits. A
 shadow "K/V" per page slot (the token prefix it was computed from) catches a step that reads or writes
-the wrong page.
+the wrong page. Page tables fed only each batch's page changes (the runner's) hold every running sequence's
+page table, and no row once the requests are done.
 """
 from types import SimpleNamespace
 
 import pytest
+import torch
 from hypothesis import event, example, given, note, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from chunkwise.sampling import SamplingParams
 from chunkwise.engine.page_pool import PagePool
+from chunkwise.engine.page_tables import PageTables
 from chunkwise.engine.scheduler import ScheduledBatch, Scheduler
 from chunkwise.engine.sequence import Sequence, SequenceStatus
 
@@ -49,6 +52,7 @@ class Driver:
         self.sched, self.bm = sched, sched.page_pool
         self.overlap = overlap
         self.kv = {p: [None] * self.bm.page_size for p in range(self.bm.num_pages)}
+        self.tables = PageTables(self.bm.num_pages, torch.device("cpu"), rows=2)   # as the runner's, grown
         self.chunk_ends: dict[int, list[int]] = {}    # prefill step ends of seqs never preempted
         self.steps = 0
         self.preemptions = 0
@@ -81,6 +85,8 @@ class Driver:
             assert p.status is SequenceStatus.WAITING and not p.page_table and p.num_computed_tokens == 0
             assert all(p.arrival > r.arrival for r in sched.running), "an older sequence was preempted"
         self.preemptions += len(batch.preempted)
+        self.tables.apply(batch.page_changes)
+        self._check_tables()
         sampled = {}
         for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
             self._check_and_write(seq, n)
@@ -93,6 +99,13 @@ class Driver:
             return batch, self._postprocess(batch, sampled)
         self.in_flight = batch, sampled
         return batch, self._postprocess(*prev) if prev else []
+
+    def _check_tables(self):
+        """Every running sequence's row starts with its page table; no other sequence holds a row."""
+        running = self.sched.running
+        assert self.tables.seq_ids == {s.seq_id for s in running}, "a freed sequence kept its row, or one has none"
+        for seq, row in zip(running, self.tables.rows(running)):
+            assert self.tables.host[row, :len(seq.page_table)].tolist() == seq.page_table, f"row of {seq}"
 
     def _postprocess(self, batch, sampled) -> list[Sequence]:
         finished = self.sched.postprocess(batch, sampled)
@@ -132,6 +145,8 @@ class Driver:
         assert self.bm.num_free_pages == self.bm.num_pages
         assert all(p.ref_count == 0 for p in self.bm.pages)
         assert not self.sched.running and not self.sched.waiting
+        self.tables.apply(self.bm.take_changes())   # the frees since the last batch, which the next would carry
+        assert not self.tables.seq_ids, f"rows never released: {self.tables.seq_ids}"
 
 
 def make(num_pages=64, page_size=4, budget=512, max_seqs=64, eos=()):
@@ -364,9 +379,13 @@ def test_newest_sequence_is_preempted_when_pages_run_out_and_recomputes_to_the_s
         if batch.preempted:
             assert batch.preempted == [new] and [s.seq_id for s in batch.seqs] == [0]
             assert sched.waiting[0] is new and new.num_computed_tokens == 0 and not new.page_table
+            assert new.seq_id in batch.page_changes.released.tolist(), "the preempted sequence's row was kept"
             preempted_at = list(new.token_ids)
     while new.status is SequenceStatus.WAITING:
-        driver.step()
+        batch, _ = driver.step()
+    # Readmitted: its page table starts over, and so does its row (Driver checked the row holds it).
+    changes = batch.page_changes
+    assert new in batch.seqs and changes.first_columns[changes.seq_ids.tolist().index(new.seq_id)] == 0
     # While it recomputes, no token is appended.
     while new.num_computed_tokens < len(preempted_at):
         assert new.token_ids == preempted_at
@@ -403,6 +422,7 @@ def test_abort_between_schedule_and_postprocess_skips_the_aborted_sequence():
     sched.add(b)
     driver = Driver(sched)
     batch = sched.schedule()
+    driver.tables.apply(batch.page_changes)
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
         driver._check_and_write(seq, n)
     sched.advance(batch)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from chunkwise.kernels.cascade import CascadeGroups
+from chunkwise.engine.page_pool import PageChanges
 
 ALIGN = 16   # elements: each packed or static input starts 16-element aligned
 
@@ -29,8 +30,7 @@ class HostStep:
     query_start_loc: np.ndarray  # int32 [P + 1], prefill rows only
     num_prefill: int             # P
     cascade: CascadeGroups | None = None   # the decodes' shared splits (host tensors)
-    table_updates: np.ndarray | None = None   # int64 [3, U]: PageTables writes of this step (rows, cols, pages)
-    table_rows: int = 0                       # rows of the page table after them
+    page_changes: PageChanges = field(default_factory=PageChanges.none)   # the batch's, applied to PageTables
     # Whether a row samples from the logits or asks for logprobs (SamplingParams.needs_logits): only then does
     # the host read the logits (so the step cannot overlap the next), and under tensor parallelism only then are
     # they gathered whole (each rank's argmax is enough for greedy tokens).

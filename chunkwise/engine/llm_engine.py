@@ -215,6 +215,7 @@ class Engine:
             return self._postprocess(prev)
         launched, exc = self._guarded(self.executor.execute, batch)
         if exc is not None:   # contained: only this step's requests end, with the error on them
+            self.page_pool.release_again(batch.page_changes)   # the page tables may not have applied them
             return self._postprocess(prev) + self._fail(batch, exc)
         step = _Step(batch, launched)
         self.scheduler.advance(batch)

@@ -8,7 +8,7 @@ runs a forward per kernel specialisation class, so a user's first workload compi
 
 Tensor parallel (`tp`): this runner is one rank's, over its shard; it knows of the other ranks only through the
 `tp` handle whose collectives its forward calls. The executor (chunkwise/engine/parallel/executor.py) sends each
-step's HostStep (with the page-table writes it made, since workers have no sequences) to the other ranks around
+step's HostStep (with the batch's page changes, which every rank's page tables apply alike) to the other ranks around
 rank 0's forward (`run`'s `dispatch`); a worker's runner replays it (`run_host`). Every rank then runs the same
 forward, eager or the same CUDA graph, so the collectives inside match.
 
@@ -92,6 +92,7 @@ class ModelRunner:
         on the sequence alone, so a token's path (and its bits) never depends on what else is batched.
         Returns the sequences that sample this step (the batch's `samples`), in logits-row order.
         """
+        self.tables.apply(batch.page_changes)   # first, so a step failing below has still applied them
         prefill, decode = [], []
         threshold = self.split_kv_threshold
         for seq, n, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
@@ -129,7 +130,7 @@ class ModelRunner:
                         cascade=self._cascade(rows[len(prefill):], start[len(prefill):] + 1),
                         pending=(ends - 1)[pending], pending_src=src,
                         needs_logits=any(s.sampling_params.needs_logits for s, _, keep, _ in entries if keep),
-                        table_updates=self.tables.updates, table_rows=self.tables.table.shape[0])
+                        page_changes=batch.page_changes)
         return host, [e[0] for e in entries if e[2]]
 
     def _cascade(self, rows: np.ndarray, seq_lens: np.ndarray) -> CascadeGroups | None:
@@ -203,10 +204,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_host(self, host: HostStep) -> None:
-        """A tensor-parallel worker's part of rank 0's step: its page-table writes, then the forward and its
+        """A tensor-parallel worker's part of rank 0's step: its page changes, then the forward and its
         collectives. Every rank gets the same argmax tokens as rank 0, so under overlap a worker feeds pending
         tokens from its own device, bit for bit rank 0's."""
-        self.tables.apply(host.table_updates, host.table_rows)
+        self.tables.apply(host.page_changes)
         self.last_tokens = self._logits_and_tokens(host)[1]
 
     def _logits_and_tokens(self, host: HostStep) -> Forward:
@@ -265,10 +266,6 @@ class ModelRunner:
         return out
 
     # ---- lifetime ----------------------------------------------------------------------------------
-    def release(self, seq_id: int) -> None:
-        """Forgets a finished sequence's page-table row."""
-        self.tables.release(seq_id)
-
     def close(self) -> None:
         """Frees the KV cache, the CUDA graphs and the weights; the runner runs nothing after this."""
         self.kv.close()

@@ -9,6 +9,11 @@ A page is in exactly one of three states:
   in use      ref_count > 0 (shared when > 1; only cached full pages are ever shared)
   evictable   ref_count == 0, still cached; reusable until evicted in LRU order
   free        ref_count == 0, not cached
+
+The pool also reports what it changed in sequences' page tables, for the runner's device copy of them
+(`PageTables`): `take_changes` hands over, as a `PageChanges`, the pages each sequence took since the last
+call (from which column of its table) and the sequences whose pages were freed since (finished, preempted,
+aborted or failed: their rows are released). Nothing downstream compares page tables to find out.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ import hashlib
 from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+
+import numpy as np
 
 from chunkwise.engine.sequence import Sequence
 
@@ -52,6 +59,26 @@ class Page:
         return tuple(array(TOKEN_FORMAT, self.tokens))
 
 
+@dataclass(frozen=True)
+class PageChanges:
+    """What changed in page tables between two `PagePool.take_changes` calls; applied in this order.
+
+    First the released sequences give their rows back; then each listed sequence's new pages are written
+    from its first column on. A sequence whose pages were freed and retaken since (preempted, then readmitted)
+    is released and then starts over at column 0.
+    """
+    released: np.ndarray        # int64 [R]: sequences whose pages were freed
+    seq_ids: np.ndarray         # int64 [S]: sequences that took pages, each once
+    first_columns: np.ndarray   # int64 [S]: the column of each one's first new page in its page table
+    num_new_pages: np.ndarray   # int64 [S]: how many new pages each took (>= 1)
+    page_ids: np.ndarray        # int64 [sum(num_new_pages)]: the new pages, sequence after sequence, in order
+
+    @classmethod
+    def none(cls) -> PageChanges:
+        empty = np.zeros(0, np.int64)
+        return cls(empty, empty, empty, empty, empty)
+
+
 class PagePool:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
         if not isinstance(num_pages, int) or num_pages < 1:
@@ -65,6 +92,10 @@ class PagePool:
         self.free_page_ids: deque[int] = deque(range(num_pages))
         self.evictable: OrderedDict[int, None] = OrderedDict()   # least recently freed first
         self.cached: dict[bytes, int] = {}                        # parent_hash + tokens -> page id
+        # What take_changes reports next: seq id -> (first column, pages taken since), and the seq ids freed since
+        # (an ordered set).
+        self._new: dict[int, tuple[int, list[int]]] = {}
+        self._released: dict[int, None] = {}
 
     @property
     def num_free_pages(self) -> int:
@@ -116,7 +147,7 @@ class PagePool:
             if page.ref_count == 0:
                 del self.evictable[page_id]
             page.ref_count += 1
-            seq.page_table.append(page_id)
+            self._record(seq, page_id)
             seq.page_hashes.append(h)
         seq.num_computed_tokens = len(prefix) * self.page_size
         if seq.num_preemptions == 0:
@@ -144,7 +175,12 @@ class PagePool:
         for _ in range(need):
             page = self.pages[self._take_page()]
             page.ref_count = 1
-            seq.page_table.append(page.page_id)
+            self._record(seq, page.page_id)
+
+    def _record(self, seq: Sequence, page_id: int) -> None:
+        """Append page_id to seq's page table, and to the pages take_changes reports next."""
+        self._new.setdefault(seq.seq_id, (len(seq.page_table), []))[1].append(page_id)
+        seq.page_table.append(page_id)
 
     def _take_page(self) -> int:
         """A free page if there is one, else the least recently used evictable page, dropped from the cache."""
@@ -191,6 +227,29 @@ class PagePool:
                     self.evictable[page_id] = None
                 else:
                     self.free_page_ids.append(page_id)
+        if seq.page_table:
+            self._new.pop(seq.seq_id, None)   # pages it took since the last changes are gone with the rest
+            self._released[seq.seq_id] = None
         seq.page_table = []
         seq.page_hashes = []
         seq.num_computed_tokens = 0
+
+    def take_changes(self) -> PageChanges:
+        """The page-table changes since the last call (see `PageChanges`); the next call starts empty."""
+        new, self._new = self._new, {}
+        released, self._released = self._released, {}
+        if not new and not released:
+            return PageChanges.none()
+        pages = [p for _, taken in new.values() for p in taken]
+        return PageChanges(released=np.fromiter(released, np.int64, len(released)),
+                           seq_ids=np.fromiter(new, np.int64, len(new)),
+                           first_columns=np.array([first for first, _ in new.values()], np.int64),
+                           num_new_pages=np.array([len(taken) for _, taken in new.values()], np.int64),
+                           page_ids=np.array(pages, np.int64))
+
+    def release_again(self, changes: PageChanges) -> None:
+        """The tables may not have applied `changes` (the step carrying them failed): their releases go out
+        again with the next changes. A release is idempotent and comes before any later write, so this is safe
+        whether or not they were applied."""
+        for seq_id in changes.released.tolist():
+            self._released[seq_id] = None

@@ -3,17 +3,18 @@
 One row per sequence (row 0 stays zeros: padding rows of a CUDA graph point at it), all of the full width
 max_pages_per_seq, so every step's tables have one stride, and so one kernel specialisation, whatever the
 batch. A host copy of the same rows gives the slots of a step's tokens without asking the device.
-A row is synced by writing the pages appended since the sequence's last step; the page pool gives a
-sequence a new list when it frees its pages (preemption), and a new list is synced from its start.
-Those writes are also kept as `updates` (rows, columns, pages), so a tensor-parallel worker, which has no
-sequences, `apply`s them to its own device table and holds the same rows.
+`apply` is the only way the tables change: it takes the `PageChanges` a scheduled batch carries (what the page
+pool handed out and took back since the last batch), releases the freed sequences' rows, and writes each
+sequence's new pages from the column the pool reported, taking a row for a sequence that has none. Rows are
+taken and grown (by doubling) in the order of the changes alone, so a tensor-parallel worker, which has no
+sequences, applies the same changes and holds the same rows as rank 0. `rows` only looks rows up.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-_NO_UPDATES = np.zeros((3, 0), np.int64)
+from chunkwise.engine.page_pool import PageChanges
 
 
 class PageTables:
@@ -22,55 +23,58 @@ class PageTables:
         self.device = device
         self.host = np.zeros((rows, width), np.int32)
         self.table = torch.zeros(rows, width, dtype=torch.int32, device=device)   # int32 [rows, width]
-        self._state: dict[int, list] = {}                 # seq_id -> [row, the page_table list synced, entries]
+        self._held: dict[int, tuple[int, int]] = {}       # seq id -> (its row, the pages written in it)
         self._free = list(range(rows - 1, 0, -1))
-        self.updates = _NO_UPDATES                        # the last `rows` call's writes: rows, columns, pages
+
+    @property
+    def seq_ids(self) -> set[int]:
+        """The sequences holding a row."""
+        return set(self._held)
+
+    def rows(self, seqs) -> np.ndarray:
+        """int64 [len(seqs)]: each sequence's row (its pages reached the tables through `apply`)."""
+        try:
+            return np.array([self._held[s.seq_id][0] for s in seqs], np.int64)
+        except KeyError as exc:
+            raise ValueError(f"sequence {exc} has no row in the page tables: no applied PageChanges gave it "
+                             f"pages") from None
 
     @torch.inference_mode()   # the table may be regrown inside a step, which makes it an inference tensor
-    def rows(self, seqs) -> np.ndarray:
-        """int64 [len(seqs)]: each sequence's row, after writing its new pages on host and device."""
-        out = []
-        upd_rows, upd_cols, upd_pages = [], [], []
-        for seq in seqs:
-            state = self._state.get(seq.seq_id)   # [row, the page_table list synced, entries synced]
-            if state is None:
-                state = self._state[seq.seq_id] = [self._take_row(), None, 0]
-            pages = seq.page_table
-            if state[1] is not pages or state[2] != len(pages):
-                n = state[2] if state[1] is pages and state[2] < len(pages) else 0
-                if len(pages) > self.width:
-                    raise ValueError(f"sequence {seq.seq_id} holds {len(pages)} pages, more than max_pages_per_seq "
-                                     f"({self.width})")
-                row, new = state[0], pages[n:]
-                self.host[row, n:len(pages)] = new
-                upd_rows += [row] * len(new)
-                upd_cols += range(n, len(pages))
-                upd_pages += new
-                state[1], state[2] = pages, len(pages)
-            out.append(state[0])
-        self.updates = np.array([upd_rows, upd_cols, upd_pages], np.int64) if upd_pages else _NO_UPDATES
-        if upd_pages:
-            self._write(self.updates)
-        return np.array(out, np.int64)
-
-    @torch.inference_mode()
-    def apply(self, updates: np.ndarray, num_rows: int) -> None:
-        """Another PageTables' `updates` (int64 [3, U]) written into this device table, grown to num_rows rows."""
-        if self.table.shape[0] < num_rows:
-            self.table = torch.cat([self.table, self.table.new_zeros(num_rows - self.table.shape[0], self.width)])
-        if updates.shape[1]:
-            self._write(updates)
+    def apply(self, changes: PageChanges) -> None:
+        """Release the freed sequences' rows, then write each sequence's new pages from its first column, on
+        host and device. Checked in full before anything changes."""
+        released = changes.released.tolist()
+        gone = set(released)
+        ends = changes.first_columns + changes.num_new_pages
+        for seq_id, first, end in zip(changes.seq_ids.tolist(), changes.first_columns.tolist(), ends.tolist()):
+            have = self._held[seq_id][1] if seq_id in self._held and seq_id not in gone else 0
+            if first != have:
+                raise ValueError(f"sequence {seq_id}'s new pages start at column {first}, but its row holds "
+                                 f"{have} pages")
+            if end > self.width:
+                raise ValueError(f"sequence {seq_id} holds {end} pages, more than max_pages_per_seq ({self.width})")
+        for seq_id in released:
+            held_row = self._held.pop(seq_id, None)
+            if held_row is not None:   # none when it took its pages and lost them between two changes
+                self._free.append(held_row[0])
+        rows = []
+        for seq_id, end in zip(changes.seq_ids.tolist(), ends.tolist()):
+            row = self._held[seq_id][0] if seq_id in self._held else self._take_row()
+            self._held[seq_id] = (row, end)
+            rows.append(row)
+        if len(changes.page_ids):
+            n = changes.num_new_pages
+            row_of_page = np.repeat(np.array(rows, np.int64), n)
+            col_of_page = np.arange(len(changes.page_ids)) - np.repeat(np.cumsum(n) - n - changes.first_columns, n)
+            self.host[row_of_page, col_of_page] = changes.page_ids
+            self._write(np.stack([row_of_page, col_of_page, changes.page_ids]))
 
     def _write(self, updates: np.ndarray) -> None:
+        """updates: int64 [3, U] (rows, columns, pages) written into the device table."""
         upd = torch.from_numpy(updates)
         if self.device.type == "cuda":
             upd = upd.pin_memory().to(self.device, non_blocking=True)
         self.table[upd[0], upd[1]] = upd[2].to(torch.int32)
-
-    def release(self, seq_id: int) -> None:
-        state = self._state.pop(seq_id, None)
-        if state is not None:
-            self._free.append(state[0])
 
     def _take_row(self) -> int:
         if not self._free:   # grow: twice the rows, old rows kept

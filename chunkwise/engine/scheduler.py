@@ -5,6 +5,9 @@ then admissions from the waiting queue (first come, first served). A caller's ch
 exactly: a chunk that does not fit the remaining budget waits for a later step, and a chunk larger than
 the whole budget runs alone in a step of its own. When pages run out, the newest running sequences are
 preempted: their pages are freed and they recompute (split by the budget) once readmitted.
+A batch also carries its `PageChanges`: the pages its sequences took and the sequences whose pages were freed
+since the last batch (here, or outside `schedule`: finishes in postprocess, aborts, failed steps), which is
+all the runner's page tables learn of the pool. An empty batch runs nothing, so it leaves them for the next.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from chunkwise.engine.page_pool import PagePool
+from chunkwise.engine.page_pool import PageChanges, PagePool
 from chunkwise.engine.sequence import Sequence, SequenceStatus
 
 
@@ -23,6 +26,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)   # computed this step from seq.num_computed_tokens
     preempted: list[Sequence] = field(default_factory=list)
+    page_changes: PageChanges = field(default_factory=PageChanges.none)   # to apply to page tables before it runs
     # Per seq, fixed at scheduling time (`advance` moves num_computed_tokens on): the tokens it has computed
     # once this step is done, and whether this step computes its last token, so the engine samples its next.
     ends: list[int] = field(init=False)
@@ -57,9 +61,11 @@ class _Plan:
         if seq.seq_id in self.tokens:
             self.budget += self.tokens.pop(seq.seq_id)[1]
 
-    def batch(self) -> ScheduledBatch:
+    def batch(self, pool: PagePool) -> ScheduledBatch:
+        """The step; a step that runs something takes the pool's page changes with it."""
         entries = list(self.tokens.values())
-        return ScheduledBatch([s for s, _ in entries], [n for _, n in entries], self.preempted)
+        changes = pool.take_changes() if entries else PageChanges.none()
+        return ScheduledBatch([s for s, _ in entries], [n for _, n in entries], self.preempted, changes)
 
 
 class Scheduler:
@@ -102,7 +108,7 @@ class Scheduler:
         plan = _Plan(self.engine_config.max_num_batched_tokens)
         alone, self._alone = self._alone, None
         if alone is not None and not alone.is_finished and self._schedule_alone(alone, plan):
-            return plan.batch()
+            return plan.batch(self.page_pool)
         # A decode whose pending token is its max_tokens-th finishes when that token lands: not scheduled again.
         for seq in [s for s in self.running if s.num_uncomputed_tokens == 1 and not s.pending_is_last]:
             if plan.budget <= 0:
@@ -122,7 +128,7 @@ class Scheduler:
                     self._reserve(seq, n, plan)
         if self._alone is None and not chunk_waits:
             self._admit(plan)
-        return plan.batch()
+        return plan.batch(self.page_pool)
 
     def _chunk(self, seq: Sequence, plan: _Plan, computed: int | None = None) -> int:
         """Tokens seq computes next, from `computed` tokens (default: its own count): up to its next caller

@@ -25,7 +25,7 @@ from chunkwise.engine_config import EngineConfig
 from chunkwise.weights import load_weights
 from chunkwise.engine.host_step import HostStep, Launched
 from chunkwise.engine.model_runner import Forward, ModelRunner
-from chunkwise.engine.parallel.workers import GatherKV, StepMessage, Workers
+from chunkwise.engine.parallel.workers import ApplyPageChanges, GatherKV, StepMessage, Workers
 from chunkwise.engine.sampler import Sampler
 
 Sampled = tuple[dict[int, int], dict[int, dict[int, float]]]   # tokens and logprobs per seq_id
@@ -61,9 +61,8 @@ class Executor:
         return self.runner.kv.at(self.runner.kv.slots(seq.page_table, num_tokens))
 
     def release(self, seq_id: int) -> None:
-        """Forgets a finished request."""
+        """Forgets a finished request's generator (its page-table row goes back through the next PageChanges)."""
         self.sampler.release(seq_id)
-        self.runner.release(seq_id)
 
     def close(self) -> None:
         """Frees the KV cache, the CUDA graphs and the weights."""
@@ -92,11 +91,23 @@ class MultiprocExecutor(Executor):
         return self.workers.error
 
     def execute(self, batch) -> Launched:
-        """As on one device, the prepared step sent to every worker before rank 0's forward."""
-        return self.runner.run(batch, self._on_every_rank)
+        """As on one device, the prepared step sent to every worker before rank 0's forward. A step whose
+        preparation fails (contained, as on one device) still sends the workers its page changes, which rank 0's
+        page tables took first, so every rank's tables keep the same rows. (Changes that rank 0 refused as
+        inconsistent fail the worker too: a broken pool cannot be served on.)"""
+        sent = False
 
-    def _on_every_rank(self, host: HostStep, forward: Callable[[], Forward]) -> Forward:
-        return self.workers.together(StepMessage(host), forward)
+        def on_every_rank(host: HostStep, forward: Callable[[], Forward]) -> Forward:
+            nonlocal sent
+            sent = True
+            return self.workers.together(StepMessage(host), forward)
+
+        try:
+            return self.runner.run(batch, on_every_rank)
+        except Exception:
+            if not sent:
+                self.workers.together(ApplyPageChanges(batch.page_changes), lambda: None)
+            raise
 
     def sample(self, step: Launched) -> Sampled:
         """As on one device, then the step confirmed (see the module's docstring)."""

@@ -46,6 +46,7 @@ from chunkwise.engine_config import EngineConfig
 from chunkwise.weights import load_weights
 from chunkwise.engine.host_step import HostStep
 from chunkwise.engine.model_runner import ModelRunner
+from chunkwise.engine.page_pool import PageChanges
 from chunkwise.engine.parallel.tensor_parallel import CollectiveGuard, TensorParallel
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)   # one collective, and the start-up rendezvous
@@ -63,6 +64,13 @@ class TensorParallelError(RuntimeError):
 class StepMessage:
     """Run this step (its page-table writes, then the forward) as rank 0 does."""
     host: HostStep
+
+
+@dataclass(frozen=True)
+class ApplyPageChanges:
+    """Apply these page changes alone: rank 0's page tables took them, but the step carrying them failed before it
+    was sent (the ranks' tables must take the same changes in the same order, or their rows drift apart)."""
+    changes: PageChanges
 
 
 @dataclass(frozen=True)
@@ -351,12 +359,14 @@ def _worker_main(rank: int, config: EngineConfig, port: int, numerics: dict, con
                 raise TensorParallelError(stopped)
             if isinstance(message, StepMessage):
                 runner.run_host(message.host)
+            elif isinstance(message, ApplyPageChanges):
+                runner.tables.apply(message.changes)
             elif isinstance(message, GatherKV):
                 runner.kv.at(message.slots)
             elif isinstance(message, Close):
                 break
             else:
-                raise TypeError(f"rank 0 sent {message!r}, not a StepMessage, GatherKV or Close")
+                raise TypeError(f"rank 0 sent {message!r}, not a StepMessage, ApplyPageChanges, GatherKV or Close")
         runner.close()
         _leave_group(_backend(device))
     except EOFError:   # rank 0 closed its end of the pipe without Close(): it is gone
