@@ -237,6 +237,25 @@ def test_a_sampling_failure_is_contained_and_close_stops_every_worker(ckpt):
     eng.close()   # twice: harmless
 
 
+def test_a_preparation_failure_is_contained_and_leaves_every_rank_the_same_page_table_rows(ckpt):
+    """A step that fails in preparation, after rank 0's page tables took its page changes, is contained; the
+    workers take those changes too, so the next requests' rows (rank 0 hands the workers its row numbers) name
+    the same pages on every rank, and the tokens are the reference's."""
+    want = [o.token_ids for o in chunkwise.reference.Engine(ckpt, max_model_len=64).generate(PROMPTS, GREEDY)]
+    eng = Engine(ckpt, **KW)
+    runner = eng.executor.runner
+    cascade = runner._cascade
+
+    def failing_once(*args):
+        runner._cascade = cascade
+        raise RuntimeError("injected fault in prepare")
+    runner._cascade = failing_once
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert [o.finish_reason for o in outs] == ["error", "error"]
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == want
+    eng.close()
+
+
 def test_a_single_device_engine_closes_too(ckpt):
     eng = Engine(ckpt, page_size=4, num_pages=8, max_model_len=64)
     with eng:
