@@ -186,12 +186,12 @@ def test_a_request_needing_exactly_every_page_runs_and_one_page_more_is_refused(
 
 def steps_of(eng: Engine) -> list:
     """The ScheduledBatch of every step the runner runs, in order."""
-    batches, real = [], eng.runner.run
+    batches, real = [], eng.executor.runner.run
 
-    def spy(batch):
+    def spy(batch, *args):
         batches.append((list(batch.seqs), list(batch.num_new_tokens)))
-        return real(batch)
-    eng.runner.run = spy
+        return real(batch, *args)
+    eng.executor.runner.run = spy
     return batches
 
 
@@ -223,16 +223,17 @@ def test_graph_buckets_from_any_max_num_seqs_stage_every_decode_batch_as_eager_s
     prompts = [shared + prompt_of(1 + i % 4, seed=i + 1) for i in range(decodes)]
     eng = Engine(ckpt, page_size=8, max_model_len=96, max_num_seqs=max_num_seqs, split_size=64, split_kv_threshold=0,
                  cascade_attention=cascade, enforce_eager=True, async_scheduling=False)
-    runner = eng.runner
-    runner._static_buffers(max_num_seqs)
-    assert max(runner.buckets) == max_num_seqs and min(runner.buckets) == 1
+    runner = eng.executor.runner
+    graphs = runner.graphs
+    graphs.allocate(max_num_seqs)
+    assert max(graphs.buckets) == max_num_seqs and min(graphs.buckets) == 1
     eager, staged = runner.forward, []
 
     def forward(host):
         logits, _ = eager(host)
         if host.num_prefill or len(host.logits_indices) != len(host.rows):
             return logits, None
-        static = runner._static_forward(host)
+        static = graphs.static_forward(host, runner.tables.table, runner.last_tokens)
         torch.testing.assert_close(static, logits, rtol=1e-5, atol=1e-5)
         staged.append(len(host.rows))
         return static, None
