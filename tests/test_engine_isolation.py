@@ -158,7 +158,7 @@ def test_a_step_failing_to_launch_still_releases_the_page_table_rows_it_carried(
     finished = []
     while short not in finished:
         finished += [o.request_id for o in engine.step() if o.finished]
-    fail_on(engine, monkeypatch, "run", lambda: True)
+    fail_on(engine, monkeypatch, "execute", lambda: True)
     outs = [o for o in engine.step() if o.finished]
     assert [(o.request_id, o.finish_reason) for o in outs] == [(long, "error")]
     monkeypatch.undo()
