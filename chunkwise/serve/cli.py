@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 import uvicorn
@@ -93,6 +94,10 @@ def main(argv=None) -> int:
         return 1
     server = make_server(engine, args.served_model_name or args.model, args.host, args.port, args.max_waiting,
                          args.max_logprobs, args.log_level)
+    # uvicorn handles SIGINT/SIGTERM while it runs, and once shut down raises the signal again for the handler
+    # that was there before it: ours, which lets the engine close and the process exit with status 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     try:
         server.run()
     finally:
