@@ -23,11 +23,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from hypothesis import example, given, settings, strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from chunkwise.engine import Engine
 from chunkwise.sampling import SamplingParams
 from chunkwise.serve.cli import make_server
+from chunkwise.serve.stops import StopStrings
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-chat"
@@ -368,3 +370,25 @@ def test_sigterm_aborts_in_flight_requests_and_exits_cleanly():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@settings(max_examples=300)   # microseconds each
+@example(text="xabcd", cuts=[], stops=["abcd", "c"])   # "c" completes first, though "abcd" starts earlier
+@example(text="aab", cuts=[1, 2], stops=["ab"])          # a held "a" is sent once the next "a" shows it was not one
+@given(text=st.text(alphabet="abcx", max_size=24), cuts=st.lists(st.integers(0, 24), max_size=8),
+       stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=3))
+def test_stop_strings_end_the_text_where_the_first_one_completes_whatever_the_pieces(text, cuts, stops):
+    """The text sent is the text before the stop string that completes first (or all of it), however the text was
+    cut into pieces; as what is sent only grows, no piece ever held part of the stop string."""
+    ends = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
+    bounds = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
+    watcher, sent, stopped = StopStrings(stops), "", False
+    for a, b in zip(bounds, bounds[1:]):
+        piece, stopped = watcher.push(text[a:b])
+        sent += piece
+        if stopped:
+            break
+    if not stopped:
+        sent += watcher.flush()
+    assert stopped == bool(ends)
+    assert sent == (text[:min(ends)[1]] if ends else text)

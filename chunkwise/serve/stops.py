@@ -1,6 +1,6 @@
 """Stop strings on streamed text: the engine stops on token ids only, so the server watches the text.
 
-The output ends before the first stop string (OpenAI leaves the stop string out). While streaming, text that
+The output ends before the first stop string to complete (OpenAI leaves the stop string out). While streaming, text that
 could be the beginning of a stop string is held back until the next piece says whether it is one, so no client
 ever receives part of a stop string.
 """
@@ -20,10 +20,12 @@ class StopStrings:
         if self.stopped:
             return "", True
         text = self.held + piece
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        # The stop string that completes first (the least end; at equal ends, the longer one) ends the text, as it
+        # would have one token at a time, so where the text was cut into pieces does not matter.
+        hits = [(i + len(s), i) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self.stopped, self.held = True, ""
-            return text[:min(hits)], True
+            return text[:min(hits)[1]], True
         keep = max((self._partial(text, s) for s in self.stops), default=0)
         self.held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep], False
