@@ -343,9 +343,14 @@ MUTANTS = [
            "a streamed request's last piece leaves out the text held back for an incomplete character"),
     # ---- the HTTP server ----------------------------------------------------------------------------------------------
     Mutant("serve_disconnect_does_not_abort", "chunkwise/serve/app.py",
-           "free the engine\n            self.state.loop.abort(self._open())\n",
-           "free the engine\n            pass\n",
+           "            await super().__call__(scope, receive, send)\n        finally:\n"
+           "            self.reply.state.loop.abort(self.reply.running_ids())\n",
+           "            await super().__call__(scope, receive, send)\n        finally:\n            pass\n",
            "a client that disconnects mid-stream leaves its request running, holding its pages until max_tokens"),
+    Mutant("serve_leaving_client_of_a_whole_answer_not_aborted", "chunkwise/serve/app.py",
+           "            gone.cancel()\n            self.state.loop.abort(self.running_ids())\n",
+           "            gone.cancel()\n",
+           "a client that gives up waiting for a whole (non-streamed) answer leaves its request running"),
     Mutant("serve_last_streamed_piece_dropped", "chunkwise/serve/app.py",
            "        self.text += piece\n        return piece, pairs\n",
            '        self.text += piece\n        return ("" if out.finished else piece), pairs\n',

@@ -191,6 +191,16 @@ def test_disconnect_mid_stream_aborts_the_request_and_leaks_no_page(server, engi
     assert after["chunkwise_generation_tokens_total"] - before["chunkwise_generation_tokens_total"] < LONG
 
 
+def test_a_client_leaving_before_a_whole_answer_aborts_its_request(server, engine):
+    before = metrics(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", timeout=1.0, json={
+            "model": MODEL, "prompt": [14, 15], "max_tokens": LONG, "ignore_eos": True, "temperature": 0})
+    wait_idle(engine)
+    aborted = "chunkwise_request_success_total{finished_reason=abort}"
+    assert metrics(server)[aborted] - before.get(aborted, 0) == 1
+
+
 @pytest.mark.parametrize("path, body, status, param, says", [
     ("completions", b"{not json", 400, None, "not valid JSON"),
     ("completions", b"[1, 2]", 400, None, "JSON object"),

@@ -162,8 +162,23 @@ async def _generate(state: ServerState, request: Request, chat: bool):
     choices = [_Choice(i, rid, StopStrings(stops) if stops else None) for i, rid in enumerate(request_ids)]
     reply = _Reply(state, req, chat, choices, queue, sum(len(p) for p in prompts))
     if req.stream:
-        return StreamingResponse(reply.stream(), media_type="text/event-stream")
+        return _AbortingStream(reply)
     return await reply.collect(request)
+
+
+class _AbortingStream(StreamingResponse):
+    """A streamed reply that, however it ends (done, failed, the client gone, even before the first event was
+    sent), aborts its samples still running, so their pages are freed at once."""
+
+    def __init__(self, reply: "_Reply"):
+        super().__init__(reply.stream(), media_type="text/event-stream")
+        self.reply = reply
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.reply.state.loop.abort(self.reply.running_ids())
 
 
 def _engine_check(make, *args):
@@ -229,7 +244,7 @@ class _Reply:
             self.state.loop.abort([choice.request_id])
         return choice, piece, pairs, was_open
 
-    def _open(self) -> list[int]:
+    def running_ids(self) -> list[int]:
         return [c.request_id for c in self.choices if c.finish_reason is None]
 
     def _failed(self) -> _Choice | None:
@@ -252,33 +267,31 @@ class _Reply:
             return self._whole()
         finally:
             gone.cancel()
-            self.state.loop.abort(self._open())
+            self.state.loop.abort(self.running_ids())
 
     async def _collect_all(self) -> None:
-        while self._open() and self._failed() is None:
+        while self.running_ids() and self._failed() is None:
             await self._next()
 
     async def stream(self):
-        try:
-            if self.chat:   # the role first, as OpenAI sends it
-                for c in self.choices:
-                    yield self._event([self._chunk_choice(c, {"role": "assistant", "content": ""}, [], None)])
-            while self._open():
-                choice, piece, pairs, was_open = await self._next()
-                if not was_open:
-                    continue
-                if choice.finish_reason == "error":
-                    yield f"data: {json.dumps(self._error(choice).body())}\n\n"
-                    break
-                # one event per engine output, text or not, so a client sees each token's arrival
-                delta = {"content": piece} if self.chat else piece
-                yield self._event([self._chunk_choice(choice, delta, pairs, choice.finish_reason)])
-            else:
-                if self.req.stream_options is not None and self.req.stream_options.include_usage:
-                    yield self._event([], usage=self._usage())
-            yield "data: [DONE]\n\n"
-        finally:   # finished, failed, or the client disconnected (the task is cancelled): free the engine
-            self.state.loop.abort(self._open())
+        """The events; whatever is still running when they end is aborted by `_AbortingStream`."""
+        if self.chat:   # the role first, as OpenAI sends it
+            for c in self.choices:
+                yield self._event([self._chunk_choice(c, {"role": "assistant", "content": ""}, [], None)])
+        while self.running_ids():
+            choice, piece, pairs, was_open = await self._next()
+            if not was_open:
+                continue
+            if choice.finish_reason == "error":   # the others are aborted
+                yield f"data: {json.dumps(self._error(choice).body())}\n\n"
+                break
+            # one event per engine output, text or not, so a client sees each token's arrival
+            delta = {"content": piece} if self.chat else piece
+            yield self._event([self._chunk_choice(choice, delta, pairs, choice.finish_reason)])
+        else:
+            if self.req.stream_options is not None and self.req.stream_options.include_usage:
+                yield self._event([], usage=self._usage())
+        yield "data: [DONE]\n\n"
 
     # ---- shapes --------------------------------------------------------------------------------------
     def _usage(self) -> dict:
@@ -328,7 +341,7 @@ class _Reply:
         offsets = []
         for s in tokens:
             offsets.append(self.offsets[c.index])
-            self.offsets[c.index] += len(s)
+            self.offsets[c.index] += len(s) if self.tokenizer is not None else 0   # no tokenizer: no text
         return {"tokens": tokens, "token_logprobs": [lps[t] for t, lps in pairs],
                 "top_logprobs": [{self._token(u): v for u, v in self._top(lps)} for _, lps in pairs],
                 "text_offset": offsets}
