@@ -221,6 +221,8 @@ def test_a_client_leaving_before_a_whole_answer_aborts_its_request(server, engin
     ("completions", {"model": MODEL, "prompt": [5], "stop": [""]}, 400, "stop", "empty"),
     ("completions", {"model": MODEL, "prompt": [5], "stop_token_ids": [384]}, 400, None, "384"),
     ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "empty"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, None,
+     "max_tokens"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400,
      "messages[0].role", "robot"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [

@@ -139,7 +139,8 @@ async def _generate(state: ServerState, request: Request, chat: bool):
     params = []
     for ids in prompts:
         if chat:
-            max_tokens = req.max_completion_tokens or req.max_tokens or max(1, engine.max_model_len - len(ids))
+            max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None),
+                              max(1, engine.max_model_len - len(ids)))   # OpenAI's default: the room left
         else:
             max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         params += [_engine_check(req.sampling_params, max_tokens, k, j) for j in range(req.n)]
