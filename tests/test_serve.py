@@ -404,3 +404,11 @@ def test_stop_strings_end_the_text_where_the_first_one_completes_whatever_the_pi
         sent += watcher.flush()
     assert stopped == bool(ends)
     assert sent == (text[:min(ends)[1]] if ends else text)
+
+
+def test_serve_command_refuses_a_bad_engine_option_in_one_line(capsys):
+    from chunkwise.__main__ import main
+
+    assert main(["serve", "--model", "tiny-qwen3", "--page-size", "0"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "page_size" in err and "0" in err

@@ -89,6 +89,9 @@ def main(argv=None) -> int:
     kwargs = {k: getattr(args, k) for k in ENGINE_OPTIONS if getattr(args, k) is not None}
     try:
         engine = Engine(args.model, **kwargs)
+    except KeyboardInterrupt:
+        print("python -m chunkwise serve: interrupted", file=sys.stderr)
+        return 130
     except Exception as e:   # one line: the engine's errors name what is wrong
         print(f"python -m chunkwise serve: error: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
