@@ -1,6 +1,7 @@
 """Generate on a checkpoint through chunkwise.Engine and print it beside chunkwise.reference.Engine's output.
 
 Errors are one line on stderr and a non-zero exit status (--traceback shows the whole trace).
+`python -m chunkwise serve --model M` runs the OpenAI-compatible HTTP server instead (`serve --help`).
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m chunkwise", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  python -m chunkwise\n  python -m chunkwise --model tiny-qwen3 --prompt-ids 5,6,7\n"
-               "  python -m chunkwise --model gemma3-270m --prompt 'The three primary colors are'")
+               "  python -m chunkwise --model gemma3-270m --prompt 'The three primary colors are'\n"
+               "  python -m chunkwise serve --model tiny-qwen3   (an OpenAI-compatible server: serve --help)")
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"a checkpoint directory (HF layout) or a built-in name: {', '.join(TINY_NAMES)} (tiny "
                         f"random checkpoints without a tokenizer), {', '.join(REAL_NAMES)} (real ones, from the "
@@ -146,6 +148,10 @@ def run(args) -> None:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:   # the server's own options (chunkwise/serve/cli.py)
+        from chunkwise.serve.cli import main as serve
+        return serve(argv[1:])
     args = parser().parse_args(argv)
     try:
         run(args)

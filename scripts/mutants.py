@@ -59,6 +59,7 @@ SELECTION = [
     "tests/test_cascade_engine.py",
     "tests/test_deterministic.py",
     "tests/test_bf16_cpu.py",
+    "tests/test_serve.py",
 ]
 SMOKE_MARKER = "smoke"   # conftest.py runs these first in any selection
 DEFAULT_TIMEOUT = 900   # seconds per mutant: more than the whole selection takes unmutated on 2 cores
@@ -340,6 +341,37 @@ MUTANTS = [
            "        return decode(self.tokenizer, self.token_ids)[self.num_chars:]\n",
            '        return ""\n',
            "a streamed request's last piece leaves out the text held back for an incomplete character"),
+    # ---- the HTTP server ----------------------------------------------------------------------------------------------
+    Mutant("serve_disconnect_does_not_abort", "chunkwise/serve/app.py",
+           "            await super().__call__(scope, receive, send)\n        finally:\n"
+           "            self.reply.state.loop.abort(self.reply.running_ids())\n",
+           "            await super().__call__(scope, receive, send)\n        finally:\n            pass\n",
+           "a client that disconnects mid-stream leaves its request running, holding its pages until max_tokens"),
+    Mutant("serve_leaving_client_of_a_whole_answer_not_aborted", "chunkwise/serve/app.py",
+           "            gone.cancel()\n            self.state.loop.abort(self.running_ids())\n",
+           "            gone.cancel()\n",
+           "a client that gives up waiting for a whole (non-streamed) answer leaves its request running"),
+    Mutant("serve_last_streamed_piece_dropped", "chunkwise/serve/app.py",
+           "        self.text += piece\n        return piece, pairs\n",
+           '        self.text += piece\n        return ("" if out.finished else piece), pairs\n',
+           "the streamed event that finishes a request carries its finish_reason but not its text"),
+    Mutant("serve_stop_string_leaves_the_request_running", "chunkwise/serve/app.py",
+           "            self.state.loop.abort([choice.request_id])\n",
+           "            pass\n",
+           "a stop string ends the text sent, but the engine goes on generating the request to max_tokens"),
+    Mutant("serve_n_samples_share_one_seed", "chunkwise/serve/protocol.py",
+           "seed=None if self.seed is None else self.seed + index,",
+           "seed=self.seed,",
+           "n > 1 with a seed gives every sample the same seed, so n identical samples"),
+    Mutant("serve_stop_string_prefix_not_held_back", "chunkwise/serve/stops.py",
+           "        keep = max((self._partial(text, s) for s in self.stops), default=0)\n",
+           "        keep = 0\n",
+           "streamed text that may begin a stop string is sent at once, so a stop string split across pieces is "
+           "missed"),
+    Mutant("serve_itl_measured_from_arrival", "chunkwise/serve/engine_loop.py",
+           "self.metrics.itl.observe(now - stream.last_token)",
+           "self.metrics.itl.observe(now - stream.arrival)",
+           "the inter-token latency histogram measures from the request's arrival, not from its previous token"),
     # ---- every dtype through every kernel ---------------------------------------------------------------------------
     Mutant("matmul_truncates_to_bf16", "chunkwise/kernels/matmul.py",
            "cast(acc, out_ptr.dtype.element_ty)",

@@ -1,0 +1,354 @@
+"""The FastAPI application: OpenAI's completions and chat completions (streamed or not), models, health, metrics.
+
+A request is parsed and checked here (protocol.py), its prompts encoded (a chat through the checkpoint's chat
+template), then its samples (n per prompt) are submitted to the engine thread together. Their outputs come back
+through one asyncio queue; stop strings are cut from the text here (stops.py), after which that sample is aborted
+in the engine. A client that disconnects, streaming or not, has its requests aborted, so their pages are freed at
+once. Errors use OpenAI's error object: 400 for a bad request (the engine's own TypeError/ValueError message
+included), 404 for an unknown model, 429 when the waiting queue is full, 500 for a request that failed inside a
+step (only that request), 503 while shutting down or after the engine failed.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from chunkwise.serve.engine_loop import EngineLoop, Submission
+from chunkwise.serve.metrics import CONTENT_TYPE_LATEST
+from chunkwise.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, model_card,
+                                      new_id, now, parse, usage)
+from chunkwise.serve.stops import StopStrings
+from chunkwise.tokenizer import chat_prompt, encode_prompts
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions; a chat defaults to the room left
+
+
+@dataclass
+class ServerState:
+    loop: EngineLoop
+    model_name: str
+    max_waiting: int = 1024        # requests waiting for admission before new ones get 429
+    max_logprobs: int = 20         # the most top logprobs a request may ask for (OpenAI allows 20)
+    accepting: bool = True         # False once shutting down
+    created: int = field(default_factory=now)
+
+    @property
+    def engine(self):
+        return self.loop.engine
+
+
+@dataclass
+class _Choice:
+    """One sample's progress: what was sent, what ended it."""
+    index: int
+    request_id: int
+    stops: StopStrings | None
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)   # (token, its logprob dict)
+    finish_reason: str | None = None
+    error: str | None = None
+
+    def feed(self, out) -> tuple[str, list[tuple[int, dict[int, float]]]]:
+        """The text and (token, logprobs) pairs that `out` adds, with stop strings cut; sets finish_reason when the
+        sample ends (a stop string is "stop", as the engine's own stop tokens are)."""
+        if self.finish_reason is not None:   # ended by a stop string: its later outputs are dropped
+            return "", []
+        self.num_tokens += len(out.new_token_ids)
+        pairs = list(zip(out.new_token_ids, out.new_logprobs)) if out.new_logprobs else []
+        self.logprobs += pairs
+        piece = out.new_text
+        if self.stops is not None:
+            piece, stopped = self.stops.push(piece)
+            if stopped:
+                self.finish_reason = "stop"
+            elif out.finished:
+                piece += self.stops.flush()
+        if out.finished and self.finish_reason is None:
+            self.finish_reason = out.finish_reason
+            if out.finish_reason == "error":
+                self.error = out.output.error if out.output is not None else "the request failed"
+        self.text += piece
+        return piece, pairs
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="chunkwise", docs_url=None, redoc_url=None)
+    app.state.server = state
+
+    @app.exception_handler(APIError)
+    async def api_error(_request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException):
+        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+    @app.get("/health")
+    async def health():
+        problem = state.loop.failure or (None if state.accepting else "shutting down")
+        if problem:
+            raise APIError(503, problem)
+        return {}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card(state.model_name, state.engine.max_model_len, state.created)]}
+
+    @app.get("/metrics")
+    async def metrics():
+        m = state.loop.metrics
+        return Response(m.render() if m is not None else b"", media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(state, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(state, request, chat=True)
+
+    return app
+
+
+async def _generate(state: ServerState, request: Request, chat: bool):
+    arrival = time.monotonic()
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    req = parse(ChatCompletionRequest if chat else CompletionRequest, body)
+    if req.model != state.model_name:
+        raise APIError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
+    if not state.accepting or state.loop.failure:
+        raise APIError(503, state.loop.failure or "the server is shutting down")
+    req.refuse_unsupported()
+    engine = state.engine
+    prompts = _chat_prompt(state, req) if chat else _completion_prompts(engine, req)
+    stops = req.stop_strings()
+    if stops and engine.tokenizer is None:
+        raise bad_request(f"stop strings need a tokenizer, and {state.model_name} has none; use stop_token_ids",
+                          "stop")
+    k = _logprobs(state, req, chat)
+    params = []
+    for ids in prompts:
+        if chat:
+            max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None),
+                              max(1, engine.max_model_len - len(ids)))   # OpenAI's default: the room left
+        else:
+            max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+        params += [_engine_check(req.sampling_params, max_tokens, k, j) for j in range(req.n)]
+    samples = [ids for ids in prompts for _ in range(req.n)]
+    if state.loop.num_waiting() + len(samples) > state.max_waiting:
+        raise APIError(429, f"the server's waiting queue is full ({state.max_waiting} requests); retry later",
+                       code="queue_full")
+    queue: asyncio.Queue = asyncio.Queue()
+    future = state.loop.submit(Submission(samples, params, queue, asyncio.get_running_loop(), arrival))
+    try:
+        request_ids = await asyncio.wrap_future(future)
+    except (TypeError, ValueError) as e:
+        raise bad_request(str(e)) from None
+    except RuntimeError as e:
+        raise APIError(503, str(e)) from None
+    except asyncio.CancelledError:   # the client left before the engine took the request: abort once it has
+        future.add_done_callback(lambda f: not f.cancelled() and f.exception() is None
+                                 and state.loop.abort(f.result()))
+        raise
+    choices = [_Choice(i, rid, StopStrings(stops) if stops else None) for i, rid in enumerate(request_ids)]
+    reply = _Reply(state, req, chat, choices, queue, sum(len(p) for p in prompts))
+    if req.stream:
+        return _AbortingStream(reply)
+    return await reply.collect(request)
+
+
+class _AbortingStream(StreamingResponse):
+    """A streamed reply that, however it ends (done, failed, the client gone, even before the first event was
+    sent), aborts its samples still running, so their pages are freed at once."""
+
+    def __init__(self, reply: "_Reply"):
+        super().__init__(reply.stream(), media_type="text/event-stream")
+        self.reply = reply
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.reply.state.loop.abort(self.reply.running_ids())
+
+
+def _engine_check(make, *args):
+    """The engine's own validation errors (TypeError/ValueError naming the value) as 400s."""
+    try:
+        return make(*args)
+    except (TypeError, ValueError) as e:
+        raise bad_request(str(e)) from None
+
+
+def _completion_prompts(engine, req: CompletionRequest) -> list[list[int]]:
+    prompts = req.prompts()
+    if engine.tokenizer is None and any(isinstance(p, str) for p in prompts):
+        raise bad_request("this model has no tokenizer: give the prompt as token ids", "prompt")
+    return _engine_check(encode_prompts, prompts, engine.tokenizer, engine.model_config)
+
+
+def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[list[int]]:
+    tokenizer = state.engine.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise bad_request(f"the model {state.model_name} has no chat template in its tokenizer (checkpoint "
+                          f"{state.engine.engine_config.path}); use /v1/completions", "messages")
+    messages = req.chat()
+    try:
+        return [chat_prompt(tokenizer, messages)]
+    except Exception as e:   # the template itself may refuse a conversation (e.g. roles out of order)
+        raise bad_request(f"the chat template could not format these messages: {type(e).__name__}: {e}",
+                          "messages") from None
+
+
+def _logprobs(state: ServerState, req, chat: bool) -> int | None:
+    """How many top logprobs each token gets, or None for none."""
+    if chat:
+        k, name = (req.top_logprobs or 0) if req.logprobs else None, "top_logprobs"
+    else:
+        k, name = req.logprobs, "logprobs"
+    if k is not None and not 0 <= k <= state.max_logprobs:
+        raise bad_request(f"{name} must be between 0 and {state.max_logprobs}, got {k}", name)
+    return k
+
+
+class _Reply:
+    """The answer to one HTTP request, from its samples' outputs: collected whole, or streamed as events."""
+
+    def __init__(self, state: ServerState, req, chat: bool, choices: list[_Choice], queue: asyncio.Queue,
+                 prompt_tokens: int):
+        self.state, self.req, self.chat, self.choices, self.queue = state, req, chat, choices, queue
+        self.prompt_tokens = prompt_tokens
+        self.k = _logprobs(state, req, chat)
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = now()
+        self.tokenizer = state.engine.tokenizer
+        self.offsets = [0] * len(choices)   # completions' text_offset: characters of token text so far
+
+    # ---- driving -------------------------------------------------------------------------------------
+    async def _next(self):
+        """The next (choice, piece, pairs); aborts a sample a stop string just ended."""
+        index, out = await self.queue.get()
+        choice = self.choices[index]
+        was_open = choice.finish_reason is None
+        piece, pairs = choice.feed(out)
+        if was_open and choice.finish_reason is not None and not out.finished:   # stopped by a stop string
+            self.state.loop.abort([choice.request_id])
+        return choice, piece, pairs, was_open
+
+    def running_ids(self) -> list[int]:
+        return [c.request_id for c in self.choices if c.finish_reason is None]
+
+    def _failed(self) -> _Choice | None:
+        return next((c for c in self.choices if c.finish_reason == "error"), None)
+
+    def _error(self, failed: _Choice) -> APIError:
+        return APIError(500, f"the request failed inside an engine step: {failed.error}")
+
+    async def collect(self, request: Request):
+        task = asyncio.ensure_future(self._collect_all())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():   # the client left: nobody will read the answer
+                task.cancel()
+                return Response(status_code=499)
+            failed = self._failed()
+            if failed is not None:
+                raise self._error(failed)
+            return self._whole()
+        finally:
+            gone.cancel()
+            self.state.loop.abort(self.running_ids())
+
+    async def _collect_all(self) -> None:
+        while self.running_ids() and self._failed() is None:
+            await self._next()
+
+    async def stream(self):
+        """The events; whatever is still running when they end is aborted by `_AbortingStream`."""
+        if self.chat:   # the role first, as OpenAI sends it
+            for c in self.choices:
+                yield self._event([self._chunk_choice(c, {"role": "assistant", "content": ""}, [], None)])
+        while self.running_ids():
+            choice, piece, pairs, was_open = await self._next()
+            if not was_open:
+                continue
+            if choice.finish_reason == "error":   # the others are aborted
+                yield f"data: {json.dumps(self._error(choice).body())}\n\n"
+                break
+            # one event per engine output, text or not, so a client sees each token's arrival
+            delta = {"content": piece} if self.chat else piece
+            yield self._event([self._chunk_choice(choice, delta, pairs, choice.finish_reason)])
+        else:
+            if self.req.stream_options is not None and self.req.stream_options.include_usage:
+                yield self._event([], usage=self._usage())
+        yield "data: [DONE]\n\n"
+
+    # ---- shapes --------------------------------------------------------------------------------------
+    def _usage(self) -> dict:
+        return usage(self.prompt_tokens, sum(c.num_tokens for c in self.choices))
+
+    def _whole(self) -> dict:
+        choices = []
+        for c in self.choices:
+            lp = self._logprobs(c, c.logprobs) if self.k is not None else None
+            if self.chat:
+                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                                "logprobs": lp, "finish_reason": c.finish_reason})
+            else:
+                choices.append({"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.state.model_name, "choices": choices,
+                "usage": self._usage()}
+
+    def _chunk_choice(self, c: _Choice, delta, pairs, finish_reason) -> dict:
+        lp = self._logprobs(c, pairs) if self.k is not None and pairs else None
+        if self.chat:
+            return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+        return {"index": c.index, "text": delta, "logprobs": lp, "finish_reason": finish_reason}
+
+    def _event(self, choices: list[dict], usage: dict | None = None) -> str:
+        chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                 "created": self.created, "model": self.state.model_name, "choices": choices}
+        if usage is not None:
+            chunk["usage"] = usage
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    def _token(self, token_id: int) -> str:
+        # Without a tokenizer a token is named by its id, in vLLM's "token_id:N" form.
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
+
+    def _top(self, lps: dict[int, float]) -> list[tuple[int, float]]:
+        return sorted(lps.items(), key=lambda kv: -kv[1])[:self.k]
+
+    def _logprobs(self, c: _Choice, pairs) -> dict:
+        if self.chat:
+            def entry(t, lp):
+                s = self._token(t)
+                return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8", "replace"))}
+            return {"content": [{**entry(t, lps[t]), "top_logprobs": [entry(u, v) for u, v in self._top(lps)]}
+                                for t, lps in pairs]}
+        tokens = [self._token(t) for t, _ in pairs]
+        offsets = []
+        for s in tokens:
+            offsets.append(self.offsets[c.index])
+            self.offsets[c.index] += len(s) if self.tokenizer is not None else 0   # no tokenizer: no text
+        return {"tokens": tokens, "token_logprobs": [lps[t] for t, lps in pairs],
+                "top_logprobs": [{self._token(u): v for u, v in self._top(lps)} for _, lps in pairs],
+                "text_offset": offsets}
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the body was read already, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,109 @@
+"""`python -m chunkwise serve --model M`: an OpenAI-compatible HTTP server over chunkwise.Engine.
+
+Ctrl-C or SIGTERM: the server stops accepting connections, aborts every request in flight (a stream ends with
+finish_reason "abort", then [DONE]), and exits with status 0 once their connections close.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+import uvicorn
+
+from chunkwise.engine_config import DTYPES
+from chunkwise.serve.app import ServerState, build_app
+from chunkwise.serve.engine_loop import EngineLoop
+from chunkwise.serve.metrics import Metrics
+
+GRACEFUL_SHUTDOWN_S = 10   # after the aborts, how long open connections may take to close
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m chunkwise serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  python -m chunkwise serve --model tiny-qwen3 --port 8000\n"
+               "  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\\n"
+               "       -d '{\"model\": \"tiny-qwen3\", \"prompt\": [5, 6, 7], \"max_tokens\": 8}'")
+    p.add_argument("--model", required=True, help="a checkpoint directory (HF layout) or a built-in name, as for "
+                                                  "python -m chunkwise")
+    p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="default 8000")
+    p.add_argument("--served-model-name", help="the name requests must give as `model` (default: --model)")
+    p.add_argument("--max-waiting", type=int, default=1024,
+                   help="requests that may wait for admission; more get 429 (default 1024)")
+    p.add_argument("--max-logprobs", type=int, default=20, help="the most top logprobs a request may ask (20)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    e = p.add_argument_group("engine options (chunkwise.engine_config.EngineConfig; default: the engine's)")
+    e.add_argument("--dtype", choices=list(DTYPES))
+    e.add_argument("--device", help="cpu, cuda or cuda:k")
+    for name in ("page_size", "max_model_len", "num_pages", "max_num_batched_tokens", "max_num_seqs",
+                 "tensor_parallel_size", "split_kv_threshold", "split_size"):
+        e.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
+    e.add_argument("--gpu-memory-utilization", type=float)
+    for name in ("enable_prefix_caching", "enforce_eager", "cascade_attention", "deterministic",
+                 "async_scheduling", "custom_all_reduce"):
+        e.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, dest=name)
+    return p
+
+
+ENGINE_OPTIONS = ("dtype", "device", "page_size", "max_model_len", "num_pages", "max_num_batched_tokens",
+                  "max_num_seqs", "tensor_parallel_size", "split_kv_threshold", "split_size",
+                  "gpu_memory_utilization", "enable_prefix_caching", "enforce_eager", "cascade_attention",
+                  "deterministic", "async_scheduling", "custom_all_reduce")
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, which on shutdown (a signal, or `should_exit`) first refuses new requests and aborts
+    those in flight, so their streams end at once and the graceful wait for open connections is short."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+
+    async def shutdown(self, sockets=None) -> None:
+        self.state.accepting = False
+        self.state.loop.abort_all()
+        await super().shutdown(sockets)
+
+
+def make_server(engine, model_name: str, host: str = "127.0.0.1", port: int = 8000, max_waiting: int = 1024,
+                max_logprobs: int = 20, log_level: str = "info") -> Server:
+    """A server over `engine` whose engine thread is running; `server.run()` (or a thread running it) serves."""
+    pool = engine.page_pool
+    loop = EngineLoop(engine)
+    loop.metrics = Metrics(model_name, loop.num_waiting, loop.num_running, loop.kv_pages_used, pool.num_pages)
+    state = ServerState(loop, model_name, max_waiting=max_waiting, max_logprobs=max_logprobs)
+    loop.start()
+    config = uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    return Server(config, state)
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
+    from chunkwise.engine import Engine
+
+    kwargs = {k: getattr(args, k) for k in ENGINE_OPTIONS if getattr(args, k) is not None}
+    try:
+        engine = Engine(args.model, **kwargs)
+    except KeyboardInterrupt:
+        print("python -m chunkwise serve: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:   # one line: the engine's errors name what is wrong
+        print(f"python -m chunkwise serve: error: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    server = make_server(engine, args.served_model_name or args.model, args.host, args.port, args.max_waiting,
+                         args.max_logprobs, args.log_level)
+    # uvicorn handles SIGINT/SIGTERM while it runs, and once shut down raises the signal again for the handler
+    # that was there before it: ours, which lets the engine close and the process exit with status 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        server.state.loop.stop()
+        engine.close()
+    return 0 if server.started else 1

@@ -1,0 +1,201 @@
+"""The engine, stepped on a thread of its own; each HTTP request gets its StepOutputs through an asyncio queue.
+
+One thread owns the engine: it takes submissions and aborts from its inbox between steps (add_request,
+abort), then steps while any request is unfinished, and sleeps when none is. The event loop never waits on
+the engine: a submission is put in the inbox and answered through a future (the request ids, or the engine's
+TypeError/ValueError naming the bad value); every StepOutput goes to its request's queue through
+`loop.call_soon_threadsafe`, tagged with the sample's index within its HTTP request (n > 1, batched prompts).
+Because the same thread adds a request and later routes its outputs, no output can arrive before its queue is
+known.
+
+The thread also feeds the metrics: time to first token and inter-token latency are stamped when a step hands
+the token over, as a client would see them, less the HTTP hop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from chunkwise.sampling import RequestOutput, SamplingParams
+from chunkwise.engine.llm_engine import StepOutput
+
+log = logging.getLogger("chunkwise.serve")
+
+
+@dataclass
+class _Stream:
+    """Where one engine request's outputs go, and its timing."""
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue      # of (index, StepOutput)
+    index: int                # the sample's place among its HTTP request's samples
+    arrival: float            # time.monotonic() when the HTTP request arrived
+    last_token: float | None = None
+
+
+@dataclass
+class Submission:
+    """Samples of one HTTP request, added together or not at all."""
+    prompts: list[list[int]]           # one prompt's token ids per sample
+    params: list[SamplingParams]       # one per sample
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    arrival: float
+    future: Future = field(default_factory=Future)   # -> list of request ids, one per sample
+
+
+class EngineLoop:
+    def __init__(self, engine, metrics=None):
+        self.engine = engine
+        self.metrics = metrics
+        self._submissions: queue.SimpleQueue[Submission] = queue.SimpleQueue()
+        self._aborts: queue.SimpleQueue[int | None] = queue.SimpleQueue()   # None: abort every request
+        self._wake = threading.Event()
+        self._streams: dict[int, _Stream] = {}
+        self._stopping = False
+        self.failure: str | None = None    # set when the engine cannot go on; the server then answers 503
+        self._thread = threading.Thread(target=self._run, name="chunkwise-engine", daemon=True)
+
+    # ---- called from the event loop (or a signal handler) ----------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, sub: Submission) -> Future:
+        """Queue the samples for the engine thread; the future holds their request ids or the engine's error."""
+        if self._stopping or self.failure is not None:
+            sub.future.set_exception(RuntimeError(self.failure or "the server is shutting down"))
+            return sub.future
+        self._submissions.put(sub)
+        self._wake.set()
+        return sub.future
+
+    def abort(self, request_ids) -> None:
+        """Abort these requests (those still running); returns at once."""
+        for rid in request_ids:
+            self._aborts.put(rid)
+        self._wake.set()
+
+    def abort_all(self) -> None:
+        """Abort every request in flight; safe from a signal handler."""
+        self._aborts.put(None)
+        self._wake.set()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort everything in flight (each request gets its "abort" output) and end the thread."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def num_waiting(self) -> int:
+        """Requests not yet admitted: in the inbox or the scheduler's waiting queue. Read without the engine's
+        lock (lengths only), so at worst one step stale."""
+        return self._submissions.qsize() + len(self.engine.scheduler.waiting)
+
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    def kv_pages_used(self) -> int:
+        pool = self.engine.page_pool
+        return pool.num_pages - pool.num_free_pages
+
+    # ---- the engine thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            if not self.engine.has_unfinished():
+                self._wake.wait()
+            self._wake.clear()
+            self._take_aborts()
+            if self._stopping:
+                self._abort_all()
+                return
+            self._take_submissions()
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outs = self.engine.step()
+            except Exception as exc:   # not contained by the engine (it contains a failing step's requests)
+                self._fail_all(f"{type(exc).__name__}: {exc}")
+                return
+            self._deliver(outs)
+
+    def _take_submissions(self) -> None:
+        while True:
+            try:
+                sub = self._submissions.get_nowait()
+            except queue.Empty:
+                return
+            if not sub.future.set_running_or_notify_cancel():   # its client left while it queued
+                continue
+            rids = []
+            try:
+                for ids, params in zip(sub.prompts, sub.params):
+                    rids.append(self.engine.add_request(ids, params))
+            except Exception as exc:   # validation: nothing of this submission stays queued
+                for rid in rids:
+                    self.engine.abort(rid)
+                sub.future.set_exception(exc)
+                continue
+            for index, rid in enumerate(rids):
+                self._streams[rid] = _Stream(sub.loop, sub.queue, index, sub.arrival)
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(sum(len(ids) for ids in sub.prompts))
+            sub.future.set_result(rids)
+
+    def _take_aborts(self) -> None:
+        while True:
+            try:
+                rid = self._aborts.get_nowait()
+            except queue.Empty:
+                return
+            if rid is None:
+                self._abort_all()
+            elif rid in self._streams:
+                out = self.engine.abort(rid)
+                if out is not None:
+                    self._deliver([StepOutput(rid, [], None, "abort", out)])
+
+    def _abort_all(self) -> None:
+        for rid in list(self._streams):
+            out = self.engine.abort(rid)
+            if out is not None:
+                self._deliver([StepOutput(rid, [], None, "abort", out)])
+
+    def _fail_all(self, error: str) -> None:
+        """The engine raised out of step(): every request ends with an error, and the server takes no more."""
+        log.error("the engine failed: %s", error)
+        self.failure = f"the engine failed: {error}"
+        for rid in list(self._streams):
+            out = RequestOutput(rid, [], finish_reason="error", error=error)
+            self._deliver([StepOutput(rid, [], None, "error", out)])
+
+    def _deliver(self, outs: list[StepOutput]) -> None:
+        now = time.monotonic()
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.new_token_ids:
+                self._time_token(stream, now, len(out.new_token_ids))
+            if out.finished:
+                del self._streams[out.request_id]
+                if self.metrics is not None:
+                    self.metrics.e2e.observe(now - stream.arrival)
+                    self.metrics.finished(out.finish_reason)
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (stream.index, out))
+            except RuntimeError:   # the event loop has closed: nobody is listening any more
+                pass
+
+    def _time_token(self, stream: _Stream, now: float, n: int) -> None:
+        if self.metrics is not None:
+            if stream.last_token is None:
+                self.metrics.ttft.observe(now - stream.arrival)
+            else:
+                self.metrics.itl.observe(now - stream.last_token)
+            self.metrics.generation_tokens.inc(n)
+        stream.last_token = now

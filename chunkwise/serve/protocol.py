@@ -1,0 +1,209 @@
+"""OpenAI's request fields and response shapes, and its error object.
+
+Requests are pydantic models in strict mode with unknown fields forbidden: a wrong type or an unrecognised
+field is a 400 naming the field. Fields OpenAI defines that this server does not implement are accepted only at
+their defaults (a value that would change the output is a 400 naming the field), so a client never gets an answer
+that silently ignored what it asked. Extensions, as vLLM's server has them: `top_k`, `ignore_eos`,
+`stop_token_ids`. Responses are plain dicts in OpenAI's shapes (`text_completion`, `chat.completion`, their
+streamed chunks, `list` of models).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from chunkwise.sampling import SamplingParams
+from chunkwise.tokenizer import is_int
+
+_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
+                500: "server_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """An HTTP error with OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """The fields both endpoints share."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0                 # OpenAI's default: sampling, not greedy
+    top_p: float = 1.0
+    top_k: int = 0                           # extension; 0 or -1 keeps every token
+    seed: int | None = None
+    stop: Any = None                         # a string or a list of strings (checked by `stop_strings`)
+    stop_token_ids: list[int] | None = None  # extension
+    ignore_eos: bool = False                 # extension
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None                  # accepted, unused
+    # OpenAI's, not implemented: only their defaults are accepted
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def refuse_unsupported(self) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) not in (None, 0):
+                raise bad_request(f"{name} is not supported by this server (only 0)", name)
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported by this server", "logit_bias")
+        if self.n < 1:
+            raise bad_request(f"n must be an integer >= 1, got {self.n}", "n")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+
+    def stop_strings(self) -> list[str]:
+        stop = self.stop
+        if stop is None:
+            return []
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise bad_request(f"stop must be a string or a list of strings, got {stop!r:.80}", "stop")
+        if any(s == "" for s in stops):
+            raise bad_request("stop strings must not be empty", "stop")
+        return stops
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
+        """The engine's params for the index-th of n samples: with a seed, sample i draws from seed + i (as vLLM
+        does), so n > 1 with a seed gives n different, reproducible samples. A bad value is the engine's own
+        TypeError/ValueError naming it."""
+        top_k = 0 if self.top_k == -1 else self.top_k
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=top_k, top_p=self.top_p,
+                              seed=None if self.seed is None else self.seed + index, logprobs=logprobs,
+                              ignore_eos=self.ignore_eos, stop_token_ids=tuple(self.stop_token_ids or ()))
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Any                  # a string, a list of token ids, or a list of either (checked by `prompts`)
+    logprobs: int | None = None  # top logprobs per token, besides the chosen token's
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            raise bad_request("echo is not supported by this server", "echo")
+        if self.suffix:
+            raise bad_request("suffix is not supported by this server", "suffix")
+        if self.best_of not in (None, self.n):
+            raise bad_request(f"best_of is not supported by this server (only best_of == n), got {self.best_of}",
+                              "best_of")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts: a string or a list of token ids is one prompt; a list of those is a batch."""
+        p = self.prompt
+        if isinstance(p, str) or (isinstance(p, list) and p and all(is_int(t) for t in p)):
+            return [p]
+        if isinstance(p, list) and p and all(isinstance(x, str) or (isinstance(x, list) and all(is_int(t) for t in x))
+                                             for x in p):
+            return p
+        raise bad_request(f"prompt must be a string, a list of token ids, or a non-empty list of those; got "
+                          f"{p!r:.80}", "prompt")
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise bad_request(f"content part type {part.type!r} is not supported by this server (only text)",
+                                  f"messages[{index}].content[{j}].type")
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    # OpenAI's, not implemented
+    tools: list | None = None
+    tool_choice: Any = None
+    response_format: Any = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        for name in ("tools", "tool_choice", "response_format"):
+            if getattr(self, name) is not None:
+                raise bad_request(f"{name} is not supported by this server", name)
+        if not self.messages:
+            raise bad_request("messages must not be empty", "messages")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise bad_request("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+
+    def chat(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them."""
+        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+
+
+def parse(model: type[BaseModel], body: Any) -> BaseModel:
+    """The request, or a 400 naming the first offending field."""
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in err["loc"]).lstrip(".") or None
+        if err["type"] == "extra_forbidden":
+            raise bad_request(f"Unrecognized request argument supplied: {param}", param) from None
+        if err["type"] == "missing":
+            raise bad_request(f"{param} is required", param) from None
+        raise bad_request(f"{param}: {err['msg']}, got {err.get('input')!r:.80}", param) from None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def model_card(name: str, max_model_len: int, created: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "chunkwise", "root": name,
+            "max_model_len": max_model_len}
