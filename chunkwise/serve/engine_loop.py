@@ -124,11 +124,7 @@ class EngineLoop:
             self._deliver(outs)
 
     def _take_submissions(self) -> None:
-        while True:
-            try:
-                sub = self._submissions.get_nowait()
-            except queue.Empty:
-                return
+        for sub in _drained(self._submissions):
             if not sub.future.set_running_or_notify_cancel():   # its client left while it queued
                 continue
             rids = []
@@ -147,23 +143,20 @@ class EngineLoop:
             sub.future.set_result(rids)
 
     def _take_aborts(self) -> None:
-        while True:
-            try:
-                rid = self._aborts.get_nowait()
-            except queue.Empty:
-                return
+        for rid in _drained(self._aborts):
             if rid is None:
                 self._abort_all()
             elif rid in self._streams:
-                out = self.engine.abort(rid)
-                if out is not None:
-                    self._deliver([StepOutput(rid, [], None, "abort", out)])
+                self._abort(rid)
 
     def _abort_all(self) -> None:
         for rid in list(self._streams):
-            out = self.engine.abort(rid)
-            if out is not None:
-                self._deliver([StepOutput(rid, [], None, "abort", out)])
+            self._abort(rid)
+
+    def _abort(self, rid: int) -> None:
+        out = self.engine.abort(rid)
+        if out is not None:   # None: it finished meanwhile, and that output was delivered
+            self._deliver([StepOutput(rid, [], None, "abort", out)])
 
     def _fail_all(self, error: str) -> None:
         """The engine raised out of step(): every request ends with an error, and the server takes no more."""
@@ -199,3 +192,12 @@ class EngineLoop:
                 self.metrics.itl.observe(now - stream.last_token)
             self.metrics.generation_tokens.inc(n)
         stream.last_token = now
+
+
+def _drained(q: queue.Queue):
+    """What q holds now, taken without waiting."""
+    while True:
+        try:
+            yield q.get_nowait()
+        except queue.Empty:
+            return
