@@ -232,8 +232,9 @@ MUTANTS = [
            "        num_full = -(-num_tokens // self.page_size)\n",
            "a page is cached before all its slots are computed"),
     Mutant("prefix_hit_stays_evictable", "chunkwise/engine/page_pool.py",
-           "            if page.ref_count == 0:\n                del self.evictable[page_id]\n",
-           "",
+           "            if page.ref_count == 0:\n                del self.evictable[page_id]\n            page.ref_count += 1\n"
+           "            self._record(",
+           "            page.ref_count += 1\n            self._record(",
            "a cached page taken by a new request stays evictable and can be handed out while in use"),
     Mutant("eviction_keeps_the_cache_entry", "chunkwise/engine/page_pool.py",
            "        del self.cached[page.key]\n",
