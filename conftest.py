@@ -53,6 +53,8 @@ SMOKE = (
     "tests/test_text.py::test_streamed_pieces_join_to_the_decoded_text_and_split_characters_arrive_whole",
     "tests/test_engine.py::test_bad_request_raises_value_error_naming_the_value",
     "tests/test_page_pool.py",
+    "tests/test_chunks.py::test_a_pinned_system_chunk_is_reused_exactly_after_pressure_and_a_document_after_it",
+    "tests/test_chunks.py::test_the_pin_cap_counts_pages_once_and_a_pin_leaving_a_queued_request_no_room_is_refused",
     "tests/test_scheduler.py::test_every_request_produces_what_it_produces_alone",
     "tests/test_kernels_fused.py::test_rms_norm_matches_reference_with_and_without_residual",
     "tests/test_kernels_fused.py::test_rope_store_matches_reference_and_skips_padding_slots",

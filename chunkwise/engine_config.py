@@ -24,7 +24,8 @@ DEVICE_TYPES = ("cpu", "cuda")
 # Fields that only the optimized engine's paging, batching and kernels use.
 REFERENCE_IGNORED = ("page_size", "num_pages", "gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs",
                      "enable_prefix_caching", "enforce_eager", "split_kv_threshold", "split_size", "cascade_attention",
-                     "deterministic", "tensor_parallel_size", "custom_all_reduce", "async_scheduling")
+                     "deterministic", "tensor_parallel_size", "custom_all_reduce", "async_scheduling",
+                     "max_pinned_fraction")
 
 
 def _positive_int(name: str, value, low: int = 1) -> None:
@@ -46,6 +47,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512        # tokens computed per step
     max_num_seqs: int = 64                   # running sequences per step
     enable_prefix_caching: bool = True
+    max_pinned_fraction: float = 0.5         # share of the pool that pinned chunks (register_chunk(pin=True)) may hold
     enforce_eager: bool = False              # no CUDA graphs
     split_kv_threshold: int | None = None    # decodes of longer sequences take split-KV; None: 0 on GPU, 256 on CPU
     split_size: int | None = None            # split-KV split length in tokens; None: the kernels' default
@@ -73,6 +75,9 @@ class EngineConfig:
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
+        f = self.max_pinned_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f < 1.0:
+            raise ValueError(f"max_pinned_fraction must be a number in [0, 1), got {f!r}")
         if self.num_pages is not None:
             _positive_int("num_pages", self.num_pages)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from chunkwise.chunks import ChunkRegistry, Piece, check_reuse, is_composite
 from chunkwise.model_config import ModelConfig
 from chunkwise.sampling import SamplingParams
-from chunkwise.tokenizer import encode_prompts, is_int, is_single_prompt
+from chunkwise.tokenizer import as_prompt_list, encode_prompts, is_int, is_single_prompt
 
 
 @dataclass
@@ -17,32 +18,50 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     chunk_sizes: list[int] | None   # the caller's prefill chunk lengths, summing to the prompt length
+    pieces: tuple[Piece, ...] | None = None   # a composite prompt's pieces, in order (chunkwise/chunks.py)
+    reuse: str = "exact"
 
 
 def validate_requests(model_config: ModelConfig, tokenizer, max_model_len: int, prompts, sampling_params=None,
-                      chunk_sizes=None) -> list[Request]:
+                      chunk_sizes=None, reuse="exact", chunks: ChunkRegistry | None = None) -> list[Request]:
     """Validated requests for a batch: every prompt, sampling params and chunking is checked before any
     engine touches one, so a bad request raises (naming the prompt index) and disturbs nothing.
 
     `chunk_sizes`: None, one int for every prompt, or one entry per prompt (None, an int, or a list of
     chunk lengths). For a batch (a list of prompts) a flat list of ints always means one int per prompt,
     whatever the batch's size; for a single prompt (a string or one list of ids) it is that prompt's chunks.
+
+    A composite prompt (a Chunk, or a list holding one, mixed with text and id lists; chunkwise/chunks.py) is
+    the concatenation of its pieces, checked against `chunks` (the engine's registry); its pieces' lengths are
+    its prefill chunks unless `chunk_sizes` gives its chunks explicitly. `reuse`: one mode ("exact") or one per
+    prompt.
     """
-    if is_single_prompt(prompts) and isinstance(chunk_sizes, (list, tuple)):
+    if (is_single_prompt(prompts) or is_composite(prompts)) and isinstance(chunk_sizes, (list, tuple)):
         chunk_sizes = [chunk_sizes]
+    prompts = [prompts] if is_composite(prompts) else as_prompt_list(prompts)
+    pieces: list[tuple[Piece, ...] | None] = [None] * len(prompts)
+    for i, p in enumerate(prompts):
+        if is_composite(p):
+            if chunks is None:
+                raise ValueError(f"prompt {i} holds chunks, which this engine does not take")
+            prompts[i], pieces[i] = chunks.pieces(p, tokenizer, i)
     ids = encode_prompts(prompts, tokenizer, model_config)
     n = len(ids)
+    modes = per_prompt(reuse, n, "reuse", lambda v: isinstance(v, str), "a reuse mode or one per prompt")
     params = per_prompt(sampling_params, n, "sampling_params", is_params, "a SamplingParams or one per prompt")
-    chunks = per_prompt(chunk_sizes, n, "chunk_sizes", is_chunking,
+    sizes = per_prompt(chunk_sizes, n, "chunk_sizes", is_chunking,
                         "None, an int, or one entry per prompt (None, an int or a list of chunk lengths)")
     requests = []
-    for i, (tokens, p, c) in enumerate(zip(ids, params, chunks)):
+    for i, (tokens, p, c, pc, mode) in enumerate(zip(ids, params, sizes, pieces, modes)):
         p = p if p is not None else SamplingParams()
         check_against_vocab(p, model_config.vocab_size, i)
+        check_reuse(mode, i)
         if len(tokens) + p.max_tokens > max_model_len:
             raise ValueError(f"prompt {i}: {len(tokens)} tokens + max_tokens {p.max_tokens} exceed "
                              f"max_model_len {max_model_len}")
-        requests.append(Request(tokens, p, expand_chunk_sizes(c, len(tokens), i)))
+        if c is None and pc is not None:   # explicit chunk_sizes win over the pieces' boundaries
+            c = [piece.num_tokens for piece in pc]
+        requests.append(Request(tokens, p, expand_chunk_sizes(c, len(tokens), i), pc, mode))
     return requests
 
 
@@ -58,9 +77,11 @@ def check_against_vocab(params: SamplingParams, vocab_size: int, index: int) -> 
 def single_prompt(prompt) -> list:
     """`prompt` as a batch of one, for an API taking exactly one; TypeError naming the value if it is not one
     prompt. An empty one passes, for encode_prompts to refuse by value."""
+    if is_composite(prompt):
+        return [prompt]
     prompt = prompt.tolist() if hasattr(prompt, "tolist") else prompt
     if not (is_single_prompt(prompt) or (isinstance(prompt, (list, tuple)) and len(prompt) == 0)):
-        raise TypeError(f"expected one prompt (a string or a list of token ids), got {type(prompt).__name__} "
+        raise TypeError(f"expected one prompt (a string, a list of token ids, or a list holding a Chunk), got {type(prompt).__name__} "
                         f"{prompt!r:.80}")
     return [prompt]
 

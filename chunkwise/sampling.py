@@ -90,6 +90,9 @@ class RequestOutput:
     finish_reason: str | None = None
     num_cached_tokens: int = 0        # prompt tokens whose K/V came from the prefix cache
     error: str | None = None          # the exception that ended the request, with finish_reason "error"
+    # A composite prompt's pieces in order, each a chunkwise.chunks.ChunkReuse (tokens reused exactly, by
+    # blending, recomputed); None for a plain prompt.
+    chunk_reuse: tuple | None = None
 
     @property
     def finished(self) -> bool:

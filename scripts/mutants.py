@@ -47,6 +47,7 @@ SELECTION = [
     "tests/test_text.py",
     "tests/test_parity.py",
     "tests/test_page_pool.py",
+    "tests/test_chunks.py",
     "tests/test_page_tables.py",
     "tests/test_scheduler.py",
     "tests/test_kernels_split.py",
@@ -232,8 +233,9 @@ MUTANTS = [
            "        num_full = -(-num_tokens // self.page_size)\n",
            "a page is cached before all its slots are computed"),
     Mutant("prefix_hit_stays_evictable", "chunkwise/engine/page_pool.py",
-           "            if page.ref_count == 0:\n                del self.evictable[page_id]\n",
-           "",
+           "            if page.ref_count == 0:\n                del self.evictable[page_id]\n            page.ref_count += 1\n"
+           "            self._record(",
+           "            page.ref_count += 1\n            self._record(",
            "a cached page taken by a new request stays evictable and can be handed out while in use"),
     Mutant("eviction_keeps_the_cache_entry", "chunkwise/engine/page_pool.py",
            "        del self.cached[page.key]\n",
@@ -378,6 +380,33 @@ MUTANTS = [
            "acc.to(out_ptr.dtype.element_ty)",
            "the deterministic matmul stores with a plain .to(), which the interpreter truncates for bf16 instead of "
            "rounding to nearest even"),
+    # ---- chunks: pins, the pin cap, the per-piece report ------------------------------------------------
+    Mutant("pinned_pages_stay_evictable", "chunkwise/engine/page_pool.py",
+           "            if page.ref_count == 0:\n                del self.evictable[page_id]\n            page.ref_count += 1\n"
+           "            self.pins[",
+           "            page.ref_count += 1\n            self.pins[",
+           "pinning takes a reference but leaves the page on the LRU list, so eviction pressure takes pinned pages"),
+    Mutant("unpin_keeps_the_reference", "chunkwise/engine/page_pool.py",
+           "                del self.pins[page_id]\n            page.ref_count -= 1\n",
+           "                del self.pins[page_id]\n",
+           "unpin forgets the pin's reference: the chunk's pages stay in use forever"),
+    Mutant("pin_cap_counts_shared_pages_twice", "chunkwise/engine/llm_engine.py",
+           "                self._check_pin_cap(sum(1 for p in pages if p not in pool.pins))\n",
+           "                self._check_pin_cap(len(pages))\n",
+           "the pin cap counts pages already pinned by another chunk again"),
+    Mutant("pin_ignores_queued_requests", "chunkwise/engine/llm_engine.py",
+           "                    self.scheduler.check_fits(seq, f\"pinning these {num_full} pages: request {seq.seq_id}\", pages)\n",
+           "                    pass\n",
+           "a pin may leave a queued request no room in the pool (it could then never run)"),
+    Mutant("chunk_reuse_counted_from_the_prompt_start", "chunkwise/chunks.py",
+           "        exact = max(0, min(start + p.num_tokens, num_cached_tokens) - start)\n",
+           "        exact = min(p.num_tokens, num_cached_tokens)\n",
+           "chunk_reuse credits each piece with the cached tokens from the prompt's start, not from its own start"),
+    Mutant("chunks_hoisted_before_plain_pieces", "chunkwise/chunks.py",
+           "            ids += piece_ids\n",
+           "            ids = piece_ids + ids if chunk is not None else ids + piece_ids\n",
+           "each chunk piece of a composite is put in front of the ids so far instead of after them, so a chunk "
+           "follows another predecessor than the prompt says"),
 ]
 
 

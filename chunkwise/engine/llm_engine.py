@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 from tqdm.auto import tqdm
 
+from chunkwise.chunks import Chunk, ChunkRegistry, reuse_report
 from chunkwise.engine_config import EngineConfig
 from chunkwise.requests import single_prompt, validate_requests
 from chunkwise.sampling import RequestOutput, SamplingParams
@@ -87,6 +88,7 @@ class Engine:
         self.executor = Executor(config) if config.tensor_parallel_size == 1 else MultiprocExecutor(config)
         self.page_pool = PagePool(self.executor.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.page_pool, self.model_config.eos_token_ids)
+        self.chunks = ChunkRegistry("chunkwise.Engine")       # registered chunks, and the pages of pinned ones
         self._claims: dict[int, list[StepOutput]] = {}       # outputs collected by a generate/prefill_kv call
         self._backlog: list[StepOutput] = []                 # streamed requests' outputs made inside those calls
         self._texts: dict[int, TextStream] = {}              # streamed requests' text so far, with a tokenizer
@@ -117,11 +119,11 @@ class Engine:
             raise RuntimeError(f"this Engine is closed ({self._closed})")
 
     # ---- requests ----------------------------------------------------------------------------------
-    def _prepare(self, prompts, sampling_params, chunk_sizes) -> list[Sequence]:
+    def _prepare(self, prompts, sampling_params, chunk_sizes, reuse="exact") -> list[Sequence]:
         """Validated sequences for a batch of prompts (nothing is scheduled yet)."""
         self._check_open()
         requests = validate_requests(self.model_config, self.tokenizer, self.max_model_len, prompts, sampling_params,
-                                     chunk_sizes)
+                                     chunk_sizes, reuse, self.chunks)
         seqs = [Sequence.from_request(r) for r in requests]
         for i, seq in enumerate(seqs):   # the scheduler's own check, for the whole batch before any is added
             self.scheduler.check_fits(seq, name=f"prompt {i}")
@@ -136,10 +138,12 @@ class Engine:
         self.scheduler.add(seq, check_fits)
         return rid
 
-    def add_request(self, prompt, sampling_params: SamplingParams | None = None, chunk_sizes=None) -> int:
-        """Queue one prompt; returns its request id. Tokens arrive through `step`."""
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None, chunk_sizes=None,
+                    reuse: str = "exact") -> int:
+        """Queue one prompt (plain, or composite: chunkwise/chunks.py); returns its request id. Tokens arrive
+        through `step`."""
         with self._lock:
-            rid = self._submit(self._prepare(single_prompt(prompt), sampling_params, [chunk_sizes])[0])
+            rid = self._submit(self._prepare(single_prompt(prompt), sampling_params, [chunk_sizes], reuse)[0])
             if self.tokenizer is not None:
                 self._texts[rid] = TextStream(self.tokenizer)
             return rid
@@ -169,7 +173,61 @@ class Engine:
         self.executor.release(seq.seq_id)
         return RequestOutput(seq.seq_id, list(seq.prompt_token_ids), token_ids=seq.completion_token_ids,
                              text=decode(self.tokenizer, seq.completion_token_ids), logprobs=seq.logprobs,
-                             finish_reason=reason, num_cached_tokens=seq.num_cached_tokens, error=seq.error)
+                             finish_reason=reason, num_cached_tokens=seq.num_cached_tokens, error=seq.error,
+                             chunk_reuse=reuse_report(seq.pieces, seq.num_cached_tokens))
+
+    # ---- chunks ------------------------------------------------------------------------------------
+    def register_chunk(self, prompt, pin: bool = False) -> Chunk:
+        """A handle to `prompt` (text, tokenized without special tokens, or token ids) for composite prompts.
+
+        Its K/V are computed once, as the opening of a prompt (positions 0 .. n-1: exact wherever the chunk
+        opens a prompt), and its full pages kept in the prefix cache. `pin=True` keeps those pages out of LRU
+        eviction until `unpin`; pinned pages are at most `max_pinned_fraction` of the pool, and a pin leaving some
+        queued request no room is refused too (ValueError; no handle is issued, the computed pages stay
+        evictable). A chunk shorter than a page fills no page: it is only a handle."""
+        if not isinstance(pin, bool):
+            raise ValueError(f"pin must be a bool, got {pin!r}")
+        with self._lock:
+            self._check_open()
+            ids = self.chunks.chunk_ids(prompt, self.tokenizer, self.model_config.vocab_size)
+            pool = self.page_pool
+            if pin and not pool.enable_prefix_caching:
+                raise ValueError("register_chunk(pin=True) needs enable_prefix_caching=True: pinned pages are "
+                                 "prefix-cache pages")
+            num_full = len(ids) // self.page_size
+            if pin:   # before computing: pages not cached yet will be new pins
+                cached = pool.chain_pages(ids)
+                self._check_pin_cap(num_full - len(cached) + sum(1 for p in cached if p not in pool.pins))
+            if num_full and pool.enable_prefix_caching:
+                out = self.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)[0]
+                if out.finish_reason == "error":
+                    raise RuntimeError(f"register_chunk: computing the chunk failed: {out.error}")
+            pages = pool.chain_pages(ids) if pin else []
+            if pin:
+                if len(pages) != num_full:
+                    raise RuntimeError(f"register_chunk: {num_full - len(pages)} of the chunk's {num_full} pages "
+                                       f"left the prefix cache before they could be pinned")
+                self._check_pin_cap(sum(1 for p in pages if p not in pool.pins))
+                for seq in self.scheduler.seqs.values():
+                    self.scheduler.check_fits(seq, f"pinning these {num_full} pages: request {seq.seq_id}", pages)
+                pool.pin(pages)
+            chunk = self.chunks.issue(ids)
+            if pin:
+                self.chunks.pinned[chunk.chunk_id] = pages
+            return chunk
+
+    def _check_pin_cap(self, num_new: int) -> None:
+        pool, fraction = self.page_pool, self.engine_config.max_pinned_fraction
+        cap = int(fraction * pool.num_pages)
+        if pool.num_pinned_pages + num_new > cap:
+            raise ValueError(f"pinning {num_new} more pages would exceed the cap: {pool.num_pinned_pages} pages are "
+                             f"pinned, max_pinned_fraction={fraction} of {pool.num_pages} pages allows {cap}")
+
+    def unpin(self, chunk: Chunk) -> None:
+        """Let a pinned chunk's pages be evicted again (they stay cached until then)."""
+        with self._lock:
+            self.chunks.check_pinned(chunk)
+            self.page_pool.unpin(self.chunks.pinned.pop(chunk.chunk_id))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -278,10 +336,13 @@ class Engine:
             results.append(self._ended(seq, "error"))
         return results
 
-    def generate(self, prompts, sampling_params=None, chunk_sizes=None, use_tqdm=None) -> list[RequestOutput]:
-        """Run prompts to completion (other queued requests advance too); outputs in prompt order."""
+    def generate(self, prompts, sampling_params=None, chunk_sizes=None, use_tqdm=None,
+                 reuse="exact") -> list[RequestOutput]:
+        """Run prompts to completion (other queued requests advance too); outputs in prompt order. A prompt may
+        be composite (a list holding registered Chunks, text and id lists: chunkwise/chunks.py); `reuse` is
+        "exact" (or one per prompt)."""
         with self._lock:
-            rids = [self._submit(s) for s in self._prepare(prompts, sampling_params, chunk_sizes)]
+            rids = [self._submit(s) for s in self._prepare(prompts, sampling_params, chunk_sizes, reuse)]
             for r in rids:
                 self._claims[r] = []
         show = len(rids) >= TQDM_MIN_PROMPTS if use_tqdm is None else use_tqdm
@@ -314,11 +375,12 @@ class Engine:
                         self.abort(r)
         return [done[r] for r in rids]
 
-    def prefill_kv(self, prompt, chunk_sizes=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill_kv(self, prompt, chunk_sizes=None, reuse="exact") -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [num_layers, num_tokens, kv_heads, head_dim] of the prompt as this engine cached them
         (after k-norm and RoPE), gathered from its own pages."""
         with self._lock:
-            seq = self._prepare(single_prompt(prompt), SamplingParams(max_tokens=1, ignore_eos=True), [chunk_sizes])[0]
+            seq = self._prepare(single_prompt(prompt), SamplingParams(max_tokens=1, ignore_eos=True), [chunk_sizes],
+                                reuse)[0]
             # Two tokens, so the request still holds its pages after the step that computes the prompt's
             # last token; it is aborted right after that step. It never computes past the prompt, which is what
             # _prepare checked against the pool (with max_tokens 1), so the second token needs no page.

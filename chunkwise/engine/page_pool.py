@@ -9,6 +9,8 @@ A page is in exactly one of three states:
   in use      ref_count > 0 (shared when > 1; only cached full pages are ever shared)
   evictable   ref_count == 0, still cached; reusable until evicted in LRU order
   free        ref_count == 0, not cached
+A pinned page (a registered chunk's, `pin`) is a cached page holding one reference per pin besides its
+sequences': in use, so LRU eviction never takes it, until `unpin` gives the references back.
 
 The pool also reports what it changed in sequences' page tables, for the runner's device copy of them
 (`PageTables`): `take_changes` hands over, as a `PageChanges`, the pages each sequence took since the last
@@ -92,6 +94,7 @@ class PagePool:
         self.free_page_ids: deque[int] = deque(range(num_pages))
         self.evictable: OrderedDict[int, None] = OrderedDict()   # least recently freed first
         self.cached: dict[bytes, int] = {}                        # parent_hash + tokens -> page id
+        self.pins: dict[int, int] = {}                            # pinned page id -> pins holding it (>= 1)
         # What take_changes reports next: seq id -> (first column, pages taken since), and the seq ids freed since
         # (an ordered set).
         self._new: dict[int, tuple[int, list[int]]] = {}
@@ -129,6 +132,52 @@ class PagePool:
             parent = self.pages[page_id].hash
             found.append((page_id, parent))
         return found
+
+    def chain_pages(self, token_ids) -> list[int]:
+        """The cached pages continuing the hash chain of token_ids' full pages from the start; changes nothing."""
+        pages: list[int] = []
+        if not self.enable_prefix_caching:
+            return pages
+        parent = b""
+        step = TOKEN_BYTES * self.page_size
+        data = token_bytes(token_ids[:len(token_ids) // self.page_size * self.page_size])
+        for lo in range(0, len(data), step):
+            page_id = self.cached.get(parent + data[lo:lo + step])
+            if page_id is None:
+                break
+            parent = self.pages[page_id].hash
+            pages.append(page_id)
+        return pages
+
+    @property
+    def num_pinned_pages(self) -> int:
+        return len(self.pins)
+
+    def pin(self, page_ids: list[int]) -> None:
+        """One more reference on each cached page of page_ids, so eviction skips it until `unpin`."""
+        bad = [p for p in page_ids if self.pages[p].hash is None]
+        if bad:   # checked before changing anything
+            raise ValueError(f"pages {bad} are not in the prefix cache; only cached pages are pinned")
+        for page_id in page_ids:
+            page = self.pages[page_id]
+            if page.ref_count == 0:
+                del self.evictable[page_id]
+            page.ref_count += 1
+            self.pins[page_id] = self.pins.get(page_id, 0) + 1
+
+    def unpin(self, page_ids: list[int]) -> None:
+        """Give back `pin`'s references, tail first (as `free`): a page no one holds becomes evictable."""
+        bad = [p for p in page_ids if p not in self.pins]
+        if bad:
+            raise ValueError(f"pages {bad} are not pinned")
+        for page_id in reversed(page_ids):
+            page = self.pages[page_id]
+            self.pins[page_id] -= 1
+            if not self.pins[page_id]:
+                del self.pins[page_id]
+            page.ref_count -= 1
+            if page.ref_count == 0:
+                self.evictable[page_id] = None
 
     def can_admit(self, prefix: list[tuple[int, bytes]], num_new_tokens: int) -> bool:
         """Whether a sequence taking `prefix` (from probe_prefix) finds pages for num_new_tokens more."""

@@ -91,15 +91,20 @@ class Scheduler:
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
-    def check_fits(self, seq: Sequence, name: str | None = None) -> None:
-        """ValueError if seq at its longest could not fit the whole page pool; `name` says which request."""
+    def check_fits(self, seq: Sequence, name: str | None = None, pinning=()) -> None:
+        """ValueError if seq at its longest could not fit the pool beside the pinned pages its prompt does not
+        start with (those of `pinning` counted as pinned too); `name` says which request."""
         # The last sampled token is never computed, so the cache holds at most prompt + max_tokens - 1.
         most = seq.num_prompt_tokens + seq.sampling_params.max_tokens - 1
         bm = self.page_pool
-        if bm.pages_needed(most) > bm.num_pages:
+        pinned = set(bm.pins).union(pinning)
+        # Pinned pages it starts with are shared, not taken from the rest (the last token is never taken).
+        shared = sum(1 for p in bm.chain_pages(seq.token_ids[:-1]) if p in pinned) if pinned else 0
+        if bm.pages_needed(most) > bm.num_pages - len(pinned) + shared:
+            pins = f", {len(pinned) - shared} of them pinned by chunks it does not start with" if pinned else ""
             raise ValueError(f"{name or f'sequence {seq.seq_id}'}: {seq.num_prompt_tokens} prompt tokens + "
                              f"max_tokens {seq.sampling_params.max_tokens} need {bm.pages_needed(most)} pages of "
-                             f"{bm.page_size} tokens, the pool has {bm.num_pages} (num_pages)")
+                             f"{bm.page_size} tokens, the pool has {bm.num_pages} (num_pages){pins}")
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs)

@@ -45,6 +45,7 @@ class Sequence:
         again cost as much host time as the rest of its admission."""
         seq = cls.__new__(cls)
         seq._start(-1, request.prompt_token_ids, request.params, request.chunk_sizes)
+        seq.pieces = request.pieces
         return seq
 
     def _start(self, seq_id: int, prompt_token_ids: list[int], sampling_params: SamplingParams | None,
@@ -65,6 +66,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.logprobs: list[dict[int, float]] | None = None   # one dict per generated token, when asked for
         self.error: str | None = None          # why the request failed (finish_reason "error")
+        self.pieces = None                     # a composite prompt's pieces (chunkwise/chunks.py), for its report
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "

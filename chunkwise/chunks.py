@@ -1,0 +1,161 @@
+"""Registered chunks and composite prompts, shared by both engines (the interface only; no model code).
+
+A `Chunk` is a frozen handle to token ids registered with one engine (`Engine.register_chunk`). A composite
+prompt is a `Chunk` or a list holding at least one `Chunk`, mixed with strings and lists of token ids (its
+*pieces*); it stands for the concatenation of its pieces' ids, and each piece becomes one prefill chunk
+(docs/ARCHITECTURE.md, lesson 1: a chunk's K/V are exact only at its global positions, after everything
+before it). Text pieces are tokenized without special tokens, so the ids are exactly the pieces' ids side by
+side; a BOS or chat-template ids go in an id piece or a chunk of their own.
+
+`reuse` says how a request may reuse cached K/V: "exact" (the default; only through the prefix cache, so the
+output equals generating the concatenated ids) or "blend" (CacheBlend-style composition at any position:
+not implemented yet, refused by name). `ChunkReuse` reports, per piece, what the cache supplied.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from chunkwise.tokenizer import all_ints
+
+REUSE_MODES = ("exact",)                  # what requests may ask for today
+PLANNED_REUSE_MODES = ("blend",)          # refused until built
+
+_engine_numbers = itertools.count()
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Token ids registered with one engine; `engine` names it (another engine refuses the handle)."""
+    token_ids: tuple[int, ...]
+    chunk_id: int
+    engine: str
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return f"Chunk(id={self.chunk_id}, {len(self.token_ids)} tokens, engine={self.engine!r})"
+
+
+@dataclass(frozen=True)
+class ChunkReuse:
+    """What one piece of a composite prompt reused: `exact + blended + recomputed == num_tokens`.
+
+    `exact`: tokens whose K/V came from the prefix cache; `blended`: tokens reused from a chunk's own K/V at a
+    new position (blend mode; 0 until it exists); `recomputed`: tokens computed by this request."""
+    chunk: Chunk | None          # None for a piece of plain text or ids
+    num_tokens: int
+    exact: int
+    blended: int
+    recomputed: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One piece of a composite prompt: its chunk (None for text or ids) and its number of tokens."""
+    chunk: Chunk | None
+    num_tokens: int
+
+
+def is_composite(prompt) -> bool:
+    """A Chunk, or a list or tuple holding at least one Chunk."""
+    return isinstance(prompt, Chunk) or (isinstance(prompt, (list, tuple)) and any(isinstance(p, Chunk)
+                                                                                    for p in prompt))
+
+
+def check_reuse(reuse, index: int | None = None) -> str:
+    """`reuse` if it is a mode this engine serves; else ValueError naming it."""
+    where = "" if index is None else f"prompt {index}: "
+    if reuse in PLANNED_REUSE_MODES:
+        raise ValueError(f"{where}reuse={reuse!r} is not implemented yet (blending chunks at new positions is "
+                         f"planned); use reuse='exact', which reuses K/V only under an identical prefix")
+    if not isinstance(reuse, str) or reuse not in REUSE_MODES:
+        raise ValueError(f"{where}reuse must be one of {list(REUSE_MODES)}, got {reuse!r}")
+    return reuse
+
+
+def reuse_report(pieces: tuple[Piece, ...] | None, num_cached_tokens: int) -> tuple[ChunkReuse, ...] | None:
+    """Per piece, the tokens the prefix cache supplied (the prompt's first num_cached_tokens) and the rest."""
+    if pieces is None:
+        return None
+    out, start = [], 0
+    for p in pieces:
+        exact = max(0, min(start + p.num_tokens, num_cached_tokens) - start)
+        out.append(ChunkReuse(p.chunk, p.num_tokens, exact, 0, p.num_tokens - exact))
+        start += p.num_tokens
+    return tuple(out)
+
+
+class ChunkRegistry:
+    """One engine's chunks: the handles it issued and the pinned ones (each with what its engine keeps for it,
+    e.g. the pinned pages)."""
+
+    def __init__(self, kind: str):
+        self.name = f"{kind}#{next(_engine_numbers)}"
+        self.num_issued = 0
+        self.pinned: dict[int, object] = {}   # chunk id -> the engine's pin (its pages, or True)
+
+    def issue(self, token_ids: list[int]) -> Chunk:
+        chunk = Chunk(tuple(token_ids), self.num_issued, self.name)
+        self.num_issued += 1
+        return chunk
+
+    def check(self, chunk, what: str = "chunk") -> Chunk:
+        """`chunk` if this registry issued it; else ValueError (TypeError for a non-Chunk) naming it."""
+        if not isinstance(chunk, Chunk):
+            raise TypeError(f"{what} must be a Chunk from register_chunk, got {type(chunk).__name__} {chunk!r:.80}")
+        if chunk.engine != self.name:
+            raise ValueError(f"{what} {chunk!r} belongs to another engine ({chunk.engine}), not this one "
+                             f"({self.name}); register it here")
+        if not 0 <= chunk.chunk_id < self.num_issued:
+            raise ValueError(f"{what} {chunk!r} is unknown: this engine never registered it")
+        return chunk
+
+    def check_pinned(self, chunk) -> Chunk:
+        """`chunk` if it is pinned here; else ValueError naming it."""
+        self.check(chunk)
+        if chunk.chunk_id not in self.pinned:
+            raise ValueError(f"chunk {chunk!r} is not pinned (it was registered with pin=False or unpinned "
+                             f"already)")
+        return chunk
+
+    def chunk_ids(self, prompt, tokenizer, vocab_size: int) -> list[int]:
+        """The ids of a chunk to register: text (tokenized without special tokens) or token ids."""
+        if isinstance(prompt, Chunk):
+            raise TypeError(f"register_chunk takes text or a list of token ids, got {prompt!r}")
+        ids, _ = self._piece(prompt, tokenizer, "the chunk")
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"the chunk holds token id {bad!r}, outside the vocabulary [0, {vocab_size})")
+        return ids
+
+    def pieces(self, prompt, tokenizer, index: int) -> tuple[list, tuple[Piece, ...]]:
+        """A composite prompt's concatenated ids (checked against the vocabulary by the caller) and its
+        pieces; TypeError or ValueError naming the prompt and the piece."""
+        ids: list = []
+        pieces = []
+        for j, p in enumerate([prompt] if isinstance(prompt, Chunk) else list(prompt)):
+            piece_ids, chunk = self._piece(p, tokenizer, f"prompt {index} piece {j}")
+            ids += piece_ids
+            pieces.append(Piece(chunk, len(piece_ids)))
+        return ids, tuple(pieces)
+
+    def _piece(self, p, tokenizer, what: str) -> tuple[list, Chunk | None]:
+        """One piece's ids and chunk (None for text or ids)."""
+        if hasattr(p, "tolist"):
+            p = p.tolist()
+        if isinstance(p, Chunk):
+            return list(self.check(p, what).token_ids), p
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ValueError(f"{what} is text but the checkpoint has no tokenizer; pass token ids")
+            ids = list(tokenizer.encode(p, add_special_tokens=False))
+        elif isinstance(p, (list, tuple)) and all_ints(p):
+            ids = [int(t) for t in p]
+        else:
+            raise TypeError(f"{what} must be a Chunk, a string or a list of token ids, got {type(p).__name__} "
+                            f"{p!r:.80}")
+        if not ids:
+            raise ValueError(f"{what} has no tokens: {p!r:.80}")
+        return ids, None
