@@ -38,6 +38,21 @@ def test_gemma3_layer_types_window_and_per_type_rope_base():
     assert cfg.rope_for(0).theta == 10000.0 and cfg.rope_for(1).theta == 1000000.0
 
 
+@pytest.mark.parametrize("family,fields", [
+    ("gemma3_text", {"num_hidden_layers": 12}),                               # transformers 4's default pattern 6
+    ("gemma3_text", {"num_hidden_layers": 7, "sliding_window_pattern": 3}),
+    ("gemma3_text", {"num_hidden_layers": 5, "sliding_window_pattern": 1}),
+    ("qwen2", {"num_hidden_layers": 6, "use_sliding_window": True, "max_window_layers": 2, "sliding_window": 8}),
+    ("qwen3", {"num_hidden_layers": 5, "use_sliding_window": True, "max_window_layers": 0, "sliding_window": 8}),
+])
+def test_layer_types_of_a_config_without_them_are_what_transformers_derives(family, fields):
+    """A config.json written before `layer_types` existed (transformers 4) gets the layer types transformers
+    derives from the same fields (its config class is the oracle: the reference shares this parser)."""
+    d = hf_config_dict(family, layer_types=None, **fields)   # None: transformers derives them
+    want = d.pop("layer_types")
+    assert list(ModelConfig.from_dict(d).layer_types) == want
+
+
 def test_mistral_window_applies_to_every_layer():
     cfg = ModelConfig.from_dict(hf_config_dict("mistral"))
     assert [cfg.window(i) for i in range(cfg.num_layers)] == [24, 24]

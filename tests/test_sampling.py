@@ -13,7 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from chunkwise.sampling import SamplingParams, sample, sampling_probs, token_logprobs
+from chunkwise.sampling import SamplingParams, make_generator, sample, sampling_probs, token_logprobs
 
 pytestmark = pytest.mark.correctness
 
@@ -65,6 +65,8 @@ TIED = torch.tensor([2.0, 1.0, 2.0, 1.0, 1.0, 0.0, 1.0])
 @example(case=(TIED, SamplingParams(temperature=0.5, top_k=5, top_p=0.8, seed=1)))
 @example(case=(torch.zeros(8), SamplingParams(temperature=1.0, top_p=0.3, seed=2)))
 @example(case=(torch.tensor([0.5]), SamplingParams(temperature=1.0, top_k=3, top_p=0.1, seed=3)))
+# the lower of two equal tokens' cumulative mass lands exactly on 1 - top_p (0.5 is exact in binary): HF drops it
+@example(case=(torch.zeros(2), SamplingParams(temperature=1.0, top_p=0.5, seed=4)))
 def test_distribution_and_seeded_token_equal_hf_warpers(case):
     logits, params = case
     ours, theirs = sampling_probs(logits, params), hf_probs(logits, params)
@@ -72,6 +74,15 @@ def test_distribution_and_seeded_token_equal_hf_warpers(case):
     assert torch.equal(ours, theirs), (ours, theirs)
     drawn = int(torch.multinomial(theirs, 1, generator=torch.Generator().manual_seed(params.seed)))
     assert sample(logits, params, torch.Generator().manual_seed(params.seed)) == drawn
+
+
+@given(seed=st.integers(0, 2**63 - 1))
+@example(seed=0)   # a falsy seed is still a seed
+def test_a_requests_generator_is_torchs_generator_seeded_with_its_seed(seed):
+    """make_generator gives the stream of torch.Generator().manual_seed(seed) for any seed, 0 included, so the
+    same seed repeats a request's draws across runs and engines."""
+    ours = make_generator(SamplingParams(temperature=1.0, seed=seed), "cpu")
+    assert torch.equal(torch.rand(8, generator=ours), torch.rand(8, generator=torch.Generator().manual_seed(seed)))
 
 
 def test_top_p_keeps_the_smallest_set_reaching_top_p():
