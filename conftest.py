@@ -47,6 +47,12 @@ def _is_benchmark(config, item) -> bool:
 # first. They run first in any selection, so under -x most bugs fail in the first minute (their pinned examples
 # take about 65 s on one core); `-m smoke` runs them alone, as scripts/mutants.py --smoke-only does.
 SMOKE = (
+    # whole files of unit tests against outside oracles (transformers' configs, warpers and models), milliseconds each
+    "tests/test_config.py",
+    "tests/test_sampling.py",
+    "tests/test_checkpoints.py",
+    "tests/test_reference_engine.py",
+    "tests/test_reference_vs_hf.py",
     "tests/test_limits.py::test_token_ids_inside_the_vocabulary_are_served_and_outside_refused",
     "tests/test_limits.py::test_logprobs_up_to_the_vocabulary_size_are_served_and_one_more_refused",
     "tests/test_limits.py::test_each_engine_argument_at_its_lower_bound_serves_and_one_below_is_refused",
