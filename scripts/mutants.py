@@ -39,10 +39,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# The CI selection, in the order that kills fastest: the parity property's pinned examples come first (they
-# cross tiles, splits, pages, GQA groups, mixed batches, prefix hits and seeded sampling), then the cheap
-# unit tests of the pool, its page tables and the scheduler, then the kernels', then the engine's contract.
+# The CI selection: the files whose tests a catalogued bug can fail (conftest.py runs the smoke tier first
+# whatever this order: the unit tests against outside oracles, every limit, the pool, the kernels, parity's
+# pinned edges), then the rest in this order: the engine's contract, the server, tensor parallelism on gloo.
 SELECTION = [
+    "tests/test_config.py",
+    "tests/test_sampling.py",
+    "tests/test_checkpoints.py",
+    "tests/test_reference_engine.py",
+    "tests/test_reference_vs_hf.py",
     "tests/test_limits.py",
     "tests/test_text.py",
     "tests/test_parity.py",
@@ -61,6 +66,7 @@ SELECTION = [
     "tests/test_deterministic.py",
     "tests/test_bf16_cpu.py",
     "tests/test_serve.py",
+    "tests/test_tensor_parallel_lifecycle.py",
 ]
 SMOKE_MARKER = "smoke"   # conftest.py runs these first in any selection
 DEFAULT_TIMEOUT = 900   # seconds per mutant: more than the whole selection takes unmutated on 2 cores
