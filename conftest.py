@@ -54,6 +54,7 @@ SMOKE = (
     "tests/test_reference_engine.py",
     "tests/test_reference_vs_hf.py",
     "tests/test_limits.py::test_token_ids_inside_the_vocabulary_are_served_and_outside_refused",
+    "tests/test_limits.py::test_a_stop_token_drawn_as_the_last_allowed_token_finishes_with_stop_on_both_engines",
     "tests/test_limits.py::test_logprobs_up_to_the_vocabulary_size_are_served_and_one_more_refused",
     "tests/test_limits.py::test_each_engine_argument_at_its_lower_bound_serves_and_one_below_is_refused",
     "tests/test_text.py::test_streamed_pieces_join_to_the_decoded_text_and_split_characters_arrive_whole",

@@ -75,6 +75,23 @@ def test_token_ids_inside_the_vocabulary_are_served_and_outside_refused(ckpt, re
     run_and_compare(eng, ref, [[5, 9]], greedy(2))
 
 
+@pytest.mark.parametrize("max_tokens", [1, 2, 3])
+def test_a_stop_token_drawn_as_the_last_allowed_token_finishes_with_stop_on_both_engines(ckpt, ref, max_tokens):
+    """max_tokens and a stop token meet at the same token: both engines say "stop" (as vLLM does), with the same
+    tokens; one token sooner the stop alone ends it, and without the stop the limit does ("length")."""
+    eng = Engine(ckpt, page_size=4, num_pages=16, max_model_len=32)
+    prompt = prompt_of(5)
+    free = ref.generate([prompt], greedy(max_tokens))[0]
+    assert free.finish_reason == "length"
+    last = free.token_ids[-1]
+    if last in free.token_ids[:-1]:
+        pytest.skip("the last token also comes earlier: the stop would end the request sooner")
+    params = SamplingParams(max_tokens=max_tokens, stop_token_ids=[last], ignore_eos=True)
+    outs = [e.generate([prompt], params)[0] for e in (eng, ref)]
+    assert [(o.token_ids, o.finish_reason) for o in outs] == [(free.token_ids, "stop")] * 2
+    assert_whole(eng)
+
+
 @pytest.mark.parametrize("logprobs", [0, VOCAB, VOCAB + 1])
 def test_logprobs_up_to_the_vocabulary_size_are_served_and_one_more_refused(ckpt, ref, logprobs):
     eng = Engine(ckpt, page_size=4, num_pages=16, max_model_len=32)
