@@ -413,6 +413,37 @@ MUTANTS = [
            "            ids = piece_ids + ids if chunk is not None else ids + piece_ids\n",
            "each chunk piece of a composite is put in front of the ids so far instead of after them, so a chunk "
            "follows another predecessor than the prompt says"),
+    # ---- an unplanted sample (2026-11-25): written by someone who had not seen the tests, in code the catalogue did
+    # not touch; the suite then missed three of these (the exact top-p cut, a transformers-4 Gemma config, the
+    # reference's stop at max_tokens), which now have tests. (Its max_pages_per_seq bug is pages_per_sequence_rounded_down.)
+    Mutant('seed_zero_draws_a_fresh_seed', 'chunkwise/sampling.py',
+           '    gen.manual_seed(params.seed if params.seed is not None else torch.seed())\n',
+           '    gen.manual_seed(params.seed or torch.seed())\n',
+           'a request with seed=0 is treated as unseeded (falsy seed), so seed 0 gives different tokens on every run'),
+    Mutant('top_p_keeps_the_token_at_the_exact_cut', 'chunkwise/sampling.py',
+           '        drop = torch.softmax(sorted_logits, dim=-1).cumsum(-1) <= 1 - params.top_p\n',
+           '        drop = torch.softmax(sorted_logits, dim=-1).cumsum(-1) < 1 - params.top_p\n',
+           "top-p drops tail tokens only while their mass is strictly below 1 - top_p, so a token whose cumulative mass lands exactly on the cut is kept (HF's warper drops it)"),
+    Mutant('gemma_default_layer_pattern_off_by_one', 'chunkwise/model_config.py',
+           '        return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers)]\n',
+           '        return [FULL if i % pattern == 0 else SLIDING for i in range(layers)]\n',
+           'for a Gemma 3 config.json without layer_types (transformers 4), the full-attention layers are taken as layers 0, 6, 12... instead of 5, 11, 17...'),
+    Mutant('llama3_rope_smoothing_reversed', 'chunkwise/model_config.py',
+           '            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled\n',
+           '            smoothed = smooth * scaled / self.factor + (1 - smooth) * scaled\n',
+           'llama3 RoPE scaling interpolates the medium band the wrong way round (the frequencies nearest the low-frequency end are scaled least)'),
+    Mutant('reference_length_wins_over_stop', 'chunkwise/reference/engine.py',
+           '            if token in stops:\n                out.finish_reason = "stop"\n            elif len(out.token_ids) >= params.max_tokens:\n                out.finish_reason = "length"\n',
+           '            if len(out.token_ids) >= params.max_tokens:\n                out.finish_reason = "length"\n            elif token in stops:\n                out.finish_reason = "stop"\n',
+           'the reference checks max_tokens before the stop tokens, so a stop token drawn as the max_tokens-th token finishes with "length" instead of "stop"'),
+    Mutant('max_tokens_counts_pending_tokens', 'chunkwise/engine/sequence.py',
+           '        return len(self.token_ids) - len(self.prompt_token_ids)\n',
+           '        return self.num_tokens - self.num_prompt_tokens\n',
+           "num_generated_tokens counts the tokens still on the device too, so under overlap scheduling a request finishes with 'length' one token early (the in-flight token is wasted)"),
+    Mutant('o_proj_shape_transposed', 'chunkwise/weights.py',
+           '"self_attn.o_proj.weight": (h, q_out),',
+           '"self_attn.o_proj.weight": (q_out, h),',
+           'the checkpoint check expects o_proj as [num_heads * head_dim, hidden] instead of [hidden, num_heads * head_dim], so a model whose heads * head_dim != hidden_size (Gemma 3 270m, any head_dim override) is refused'),
 ]
 
 
