@@ -15,11 +15,16 @@ from pathlib import Path
 import torch
 
 from chunkwise.checkpoints import resolve_model
+from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE, split_tile_config
 from chunkwise.model_config import ModelConfig
 from chunkwise.tokenizer import is_int
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEVICE_TYPES = ("cpu", "cuda")
+# The Triton interpreter runs a split-KV decode (split + merge programs) slower than a one-pass decode for short
+# contexts; on CPU only long sequences take it by default. On GPU every decode does, which is also what the decode
+# CUDA graphs capture.
+CPU_SPLIT_KV_THRESHOLD = 256
 
 # Fields that only the optimized engine's paging, batching and kernels use.
 REFERENCE_IGNORED = ("page_size", "num_pages", "gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs",
@@ -50,7 +55,8 @@ class EngineConfig:
     max_pinned_fraction: float = 0.5         # share of the pool that pinned chunks (register_chunk(pin=True)) may hold
     enforce_eager: bool = False              # no CUDA graphs
     split_kv_threshold: int | None = None    # decodes of longer sequences take split-KV; None: 0 on GPU, 256 on CPU
-    split_size: int | None = None            # split-KV split length in tokens; None: the kernels' default
+    split_size: int | None = None            # split-KV split length in tokens (a multiple of the split-KV tile);
+                                             # None: the kernels' default
     cascade_attention: bool = True           # decodes sharing prefix splits read them once per step
     deterministic: bool = False              # batch-invariant: a token's bits independent of batch, chunks, pages
                                              # (no split-KV then, so split_kv_threshold/split_size/cascade do not apply)
@@ -97,6 +103,14 @@ class EngineConfig:
         set_("path", path)
         set_("model_config", model_config)
         _check_tensor_parallel(self)
+        if self.split_kv_threshold is None:
+            set_("split_kv_threshold", 0 if self.device.type == "cuda" else CPU_SPLIT_KV_THRESHOLD)
+        split_size = DEFAULT_SPLIT_SIZE if self.split_size is None else self.split_size
+        block_n = split_tile_config(model_config.head_dim, 1)[1]   # the tile's keys depend on head_dim alone
+        if split_size % block_n:
+            raise ValueError(f"split_size must be a multiple of {block_n} (the split-KV tile for head_dim "
+                             f"{model_config.head_dim}), got {split_size}")
+        set_("split_size", split_size)
         if self.async_scheduling is None:
             set_("async_scheduling", self.device.type == "cuda")
 

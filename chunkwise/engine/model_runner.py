@@ -27,7 +27,6 @@ import torch
 
 from chunkwise.engine_config import EngineConfig
 from chunkwise.kernels.cascade import CascadeGroups, cascade_groups, cascade_item_size
-from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE, split_tile_config
 from chunkwise.engine.cuda_graphs import DecodeGraphs
 from chunkwise.engine.host_step import ALIGN, HostStep, Launched, fill_pending, synthetic_step
 from chunkwise.engine.kv_cache import KVCache
@@ -35,10 +34,6 @@ from chunkwise.engine.model import Model, StepInputs
 from chunkwise.engine.page_tables import PageTables
 from chunkwise.engine.parallel.tensor_parallel import TensorParallel
 
-# The Triton interpreter runs a split-KV decode (split + merge programs) slower than a one-pass decode
-# for short contexts; on CPU only long sequences take it by default. On GPU every decode does, which is
-# also what the decode CUDA graphs capture.
-CPU_SPLIT_KV_THRESHOLD = 256
 
 Forward = tuple[torch.Tensor | None, torch.Tensor]   # (logits or None, greedy tokens): see _logits_and_tokens
 
@@ -53,14 +48,7 @@ class ModelRunner:
         self.num_kv_heads = len(tp.kv_heads) if tp else cfg.num_kv_heads
         self.page_size = config.page_size
         self.device = tp.device if tp else config.device
-        threshold = config.split_kv_threshold
-        self.split_kv_threshold = threshold if threshold is not None else (
-            0 if self.device.type == "cuda" else CPU_SPLIT_KV_THRESHOLD)
-        self.split_size = DEFAULT_SPLIT_SIZE if config.split_size is None else config.split_size
-        block_n = split_tile_config(cfg.head_dim, self.num_heads // self.num_kv_heads)[1]
-        if self.split_size % block_n:
-            raise ValueError(f"split_size must be a multiple of {block_n} (the split-KV tile for head_dim "
-                             f"{cfg.head_dim}), got {self.split_size}")
+        self.split_kv_threshold, self.split_size = config.split_kv_threshold, config.split_size
         self.model = Model(cfg, weights, split_size=self.split_size, deterministic=config.deterministic, tp=tp)
         # Deterministic decodes take the single-pass kernel, so there are no splits to share.
         self.cascade = config.cascade_attention and not config.deterministic
