@@ -6,7 +6,6 @@ The sizes derived from the configuration (pages per sequence from max_model_len 
 sequence from the split size, steps from the token budget, CUDA-graph buckets from max_num_seqs) are drawn with
 it, independently, so every remainder is reached; `@example`s pin the edges (remainder 0, 1 and page_size - 1, a
 page larger than max_model_len, a request of exactly max_model_len)."""
-import dataclasses
 
 import pytest
 import torch

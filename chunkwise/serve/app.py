@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chunkwise.serve.engine_loop import EngineLoop, Submission
-from chunkwise.serve.metrics import CONTENT_TYPE_LATEST
 from chunkwise.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, model_card,
                                       new_id, now, parse, usage)
 from chunkwise.serve.stops import StopStrings
