@@ -16,9 +16,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from chunkwise.chunks import Chunk, ChunkReuse  # noqa: E402
+from chunkwise.chunks import Blend, Chunk, ChunkReuse  # noqa: E402
 from chunkwise.engine import Engine, StepOutput  # noqa: E402
 from chunkwise.model_config import ModelConfig, RopeConfig  # noqa: E402
 from chunkwise.sampling import RequestOutput, SamplingParams  # noqa: E402
 
-__all__ = ["Chunk", "ChunkReuse", "Engine", "ModelConfig", "RequestOutput", "RopeConfig", "SamplingParams", "StepOutput"]
+__all__ = ["Blend", "Chunk", "ChunkReuse", "Engine", "ModelConfig", "RequestOutput", "RopeConfig", "SamplingParams", "StepOutput"]

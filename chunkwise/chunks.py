@@ -8,8 +8,8 @@ before it). Text pieces are tokenized without special tokens, so the ids are exa
 side; a BOS or chat-template ids go in an id piece or a chunk of their own.
 
 `reuse` says how a request may reuse cached K/V: "exact" (the default; only through the prefix cache, so the
-output equals generating the concatenated ids) or "blend" (CacheBlend-style composition at any position:
-not implemented yet, refused by name). `ChunkReuse` reports, per piece, what the cache supplied.
+output equals generating the concatenated ids), or "blend" (== `Blend()`) or a `Blend`: CacheBlend-style
+composition of chunks' own K/V at any position, recomputing a share of the tokens (issue #28 §3). `ChunkReuse` reports, per piece, what the cache supplied.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from chunkwise.tokenizer import all_ints
 
-REUSE_MODES = ("exact",)                  # what requests may ask for today
-PLANNED_REUSE_MODES = ("blend",)          # refused until built
+REUSE_MODES = ("exact", "blend")           # the names a request may give; "blend" means Blend()
+BLEND_POLICIES = ("kv-deviation", "chunk-heads")
 
 _engine_numbers = itertools.count()
 
@@ -39,11 +39,29 @@ class Chunk:
 
 
 @dataclass(frozen=True)
+class Blend:
+    """Blend mode's parameters: recompute about `recompute_ratio` of the chunks' tokens, chosen by `policy`:
+    "kv-deviation" (CacheBlend: the tokens whose fresh K/V deviate most from their reused ones, filtered
+    gradually over the first layers) or "chunk-heads" (EPIC: the first tokens of every chunk). 0 reuses the
+    chunks' K/V as they are (moved to their new positions); 1 recomputes everything (exact mode's output)."""
+    recompute_ratio: float = 0.15
+    policy: str = "kv-deviation"
+
+    def __post_init__(self):
+        r = self.recompute_ratio
+        # bool is an int; NaN fails both comparisons
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
+            raise ValueError(f"Blend recompute_ratio must be a number in [0, 1], got {r!r}")
+        if self.policy not in BLEND_POLICIES:
+            raise ValueError(f"Blend policy must be one of {list(BLEND_POLICIES)}, got {self.policy!r}")
+
+
+@dataclass(frozen=True)
 class ChunkReuse:
     """What one piece of a composite prompt reused: `exact + blended + recomputed == num_tokens`.
 
-    `exact`: tokens whose K/V came from the prefix cache; `blended`: tokens reused from a chunk's own K/V at a
-    new position (blend mode; 0 until it exists); `recomputed`: tokens computed by this request."""
+    `exact`: tokens whose K/V came from the prefix cache; `blended`: tokens whose K/V at some layer are a chunk's
+    own K/V moved to a new position (blend mode); `recomputed`: tokens computed at every layer by this request."""
     chunk: Chunk | None          # None for a piece of plain text or ids
     num_tokens: int
     exact: int
@@ -64,15 +82,22 @@ def is_composite(prompt) -> bool:
     return isinstance(prompt, Chunk) or (isinstance(prompt, (list, tuple)) and Chunk in map(type, prompt))
 
 
-def check_reuse(reuse, index: int | None = None) -> str:
-    """`reuse` if it is a mode this engine serves; else ValueError naming it."""
-    where = "" if index is None else f"prompt {index}: "
-    if reuse in PLANNED_REUSE_MODES:
-        raise ValueError(f"{where}reuse={reuse!r} is not implemented yet (blending chunks at new positions is "
-                         f"planned); use reuse='exact', which reuses K/V only under an identical prefix")
-    if not isinstance(reuse, str) or reuse not in REUSE_MODES:
-        raise ValueError(f"{where}reuse must be one of {list(REUSE_MODES)}, got {reuse!r}")
-    return reuse
+def blend_params(reuse) -> Blend | None:
+    """None for "exact", `Blend()` for "blend", a `Blend` itself; else ValueError naming `reuse`."""
+    if isinstance(reuse, Blend):
+        return reuse
+    if isinstance(reuse, str) and reuse in REUSE_MODES:
+        return None if reuse == "exact" else Blend()
+    raise ValueError(f"reuse must be one of {list(REUSE_MODES)} or a Blend, got {reuse!r:.80}")
+
+
+def check_reuse(reuse, index: int | None = None) -> str | Blend:
+    """"exact", or the `Blend` that `reuse` asks for; else ValueError naming it (and the prompt)."""
+    try:
+        blend = blend_params(reuse)
+    except ValueError as e:
+        raise ValueError(e.args[0] if index is None else f"prompt {index}: {e.args[0]}") from None
+    return "exact" if blend is None else blend
 
 
 def reuse_report(pieces: tuple[Piece, ...] | None, num_cached_tokens: int) -> tuple[ChunkReuse, ...] | None:

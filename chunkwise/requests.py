@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chunkwise.chunks import ChunkRegistry, Piece, check_reuse, is_composite
+from chunkwise.chunks import Blend, ChunkRegistry, Piece, check_reuse, is_composite
 from chunkwise.model_config import ModelConfig
 from chunkwise.sampling import SamplingParams
 from chunkwise.tokenizer import as_prompt_list, encode_prompts, is_int, is_single_prompt
@@ -19,7 +19,7 @@ class Request:
     params: SamplingParams
     chunk_sizes: list[int] | None   # the caller's prefill chunk lengths, summing to the prompt length
     pieces: tuple[Piece, ...] | None = None   # a composite prompt's pieces, in order (chunkwise/chunks.py)
-    reuse: str = "exact"
+    reuse: str | Blend = "exact"              # "exact" or the Blend asked for ("blend" resolved to Blend())
 
 
 def validate_requests(model_config: ModelConfig, tokenizer, max_model_len: int, prompts, sampling_params=None,
@@ -33,8 +33,8 @@ def validate_requests(model_config: ModelConfig, tokenizer, max_model_len: int, 
 
     A composite prompt (a Chunk, or a list holding one, mixed with text and id lists; chunkwise/chunks.py) is
     the concatenation of its pieces, checked against `chunks` (the engine's registry); its pieces' lengths are
-    its prefill chunks unless `chunk_sizes` gives its chunks explicitly. `reuse`: one mode ("exact") or one per
-    prompt.
+    its prefill chunks unless `chunk_sizes` gives its chunks explicitly. `reuse`: one mode ("exact", "blend" or a
+    Blend) or one per prompt.
     """
     if (is_single_prompt(prompts) or is_composite(prompts)) and isinstance(chunk_sizes, (list, tuple)):
         chunk_sizes = [chunk_sizes]
@@ -47,7 +47,7 @@ def validate_requests(model_config: ModelConfig, tokenizer, max_model_len: int, 
             prompts[i], pieces[i] = chunks.pieces(p, tokenizer, i)
     ids = encode_prompts(prompts, tokenizer, model_config)
     n = len(ids)
-    modes = per_prompt(reuse, n, "reuse", lambda v: isinstance(v, str), "a reuse mode or one per prompt")
+    modes = per_prompt(reuse, n, "reuse", lambda v: isinstance(v, (str, Blend)), "a reuse mode or one per prompt")
     params = per_prompt(sampling_params, n, "sampling_params", is_params, "a SamplingParams or one per prompt")
     sizes = per_prompt(chunk_sizes, n, "chunk_sizes", is_chunking,
                         "None, an int, or one entry per prompt (None, an int or a list of chunk lengths)")
@@ -55,7 +55,7 @@ def validate_requests(model_config: ModelConfig, tokenizer, max_model_len: int, 
     for i, (tokens, p, c, pc, mode) in enumerate(zip(ids, params, sizes, pieces, modes)):
         p = p if p is not None else SamplingParams()
         check_against_vocab(p, model_config.vocab_size, i)
-        check_reuse(mode, i)
+        mode = check_reuse(mode, i)
         if len(tokens) + p.max_tokens > max_model_len:
             raise ValueError(f"prompt {i}: {len(tokens)} tokens + max_tokens {p.max_tokens} exceed "
                              f"max_model_len {max_model_len}")

@@ -4,18 +4,20 @@ Exact mode's promise: a composite prompt (Chunks, text and id lists, in any orde
 concatenated ids, and reuses K/V only where the prefix cache holds them under exactly the same prefix
 (docs/ARCHITECTURE.md, lesson 2); `chunk_reuse` reports per piece what the cache supplied. Pinned chunks' pages
 survive eviction pressure until unpinned, within `max_pinned_fraction` of the pool. Bad input (an unknown,
-unpinned or foreign handle, blend mode, the pin cap) is refused by name with nothing leaked.
+unpinned or foreign handle, an unknown reuse mode, the pin cap) is refused by name with nothing leaked; so are
+a Blend's bad ratio or policy.
 """
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
-from chunkwise.chunks import Chunk, ChunkReuse
+from chunkwise.chunks import Blend, Chunk, ChunkReuse, blend_params, check_reuse
 from chunkwise.engine import Engine, SamplingParams
 from chunkwise.engine_config import EngineConfig
 
@@ -291,13 +293,13 @@ BAD = [
      ValueError, "belongs to another engine"),
     ("another engine's chunk to unpin", lambda e, o: e.unpin(o.register_chunk([5, 6, 7, 8], pin=True)),
      ValueError, "belongs to another engine"),
-    ("blend requested", lambda e, o: e.generate([e.register_chunk([5, 6]), [7]], PARAMS, reuse="blend"),
-     ValueError, "reuse='blend' is not implemented yet"),
-    ("blend requested in add_request", lambda e, o: e.add_request([e.register_chunk([5, 6]), [7]], PARAMS,
-                                                                  reuse="blend"),
-     ValueError, "reuse='blend' is not implemented yet"),
     ("an unknown reuse mode", lambda e, o: e.generate([[5, 6]], PARAMS, reuse="fuzzy"), ValueError,
-     r"reuse must be one of \['exact'\], got 'fuzzy'"),
+     r"prompt 0: reuse must be one of \['exact', 'blend'\] or a Blend, got 'fuzzy'"),
+    ("an unknown reuse mode in add_request", lambda e, o: e.add_request([e.register_chunk([5, 6]), [7]], PARAMS,
+                                                                        reuse="Blend"),
+     ValueError, r"reuse must be one of \['exact', 'blend'\] or a Blend, got 'Blend'"),
+    ("a bare ratio as the reuse mode", lambda e, o: e.generate([[5, 6]], PARAMS, reuse=0.15), TypeError,
+     "reuse must be a reuse mode or one per prompt; got float 0.15"),
     ("the pin cap", lambda e, o: e.register_chunk(list(range(3, 30)), pin=True), ValueError,
      r"pinning 6 more pages would exceed the cap: 0 pages are pinned, max_pinned_fraction=0.25 of 20 pages "
      r"allows 5"),
@@ -353,8 +355,6 @@ def test_reference_engine_registers_and_unpins_alike(ref, engine):
     assert out.chunk_reuse == (ChunkReuse(chunk, 3, 0, 0, 3), ChunkReuse(None, 1, 0, 0, 1))
     with pytest.raises(ValueError, match="belongs to another engine"):
         ref.generate([engine.register_chunk([5]), [8]], PARAMS)
-    with pytest.raises(ValueError, match="reuse='blend' is not implemented yet"):
-        ref.generate([chunk, [8]], PARAMS, reuse="blend")
     ref.unpin(chunk)
     with pytest.raises(ValueError, match="is not pinned"):
         ref.unpin(chunk)
@@ -364,3 +364,40 @@ def test_reference_engine_registers_and_unpins_alike(ref, engine):
 def test_max_pinned_fraction_outside_0_1_is_refused_by_name(ckpt, value):
     with pytest.raises(ValueError, match=f"max_pinned_fraction must be a number in \\[0, 1\\), got {value!r}"):
         EngineConfig(ckpt, max_pinned_fraction=value)
+
+
+@pytest.mark.parametrize("reuse, expected", [("exact", None), ("blend", Blend()), (Blend(0.3, "chunk-heads"),
+                                                                                    Blend(0.3, "chunk-heads"))])
+def test_blend_params_resolves_the_reuse_modes(reuse, expected):
+    assert blend_params(reuse) == expected
+    assert check_reuse(reuse) == ("exact" if expected is None else expected)
+
+
+@pytest.mark.parametrize("reuse", ["fuzzy", "", None, 0.15, ("blend",)])
+def test_blend_params_refuses_other_modes_by_name(reuse):
+    with pytest.raises(ValueError, match=re.escape(f"got {reuse!r}")):
+        blend_params(reuse)
+    with pytest.raises(ValueError, match=re.escape(f"prompt 3: reuse must be one of ['exact', 'blend'] or a Blend, "
+                                                   f"got {reuse!r}")):
+        check_reuse(reuse, 3)
+
+
+@pytest.mark.parametrize("ratio", [1.5, -0.1, True, False, float("nan"), float("inf"), "0.5", None])
+def test_blend_refuses_a_ratio_outside_0_1_by_name(ratio):
+    with pytest.raises(ValueError, match=re.escape(f"recompute_ratio must be a number in [0, 1], got {ratio!r}")):
+        Blend(ratio)
+
+
+@pytest.mark.parametrize("ratio", [0, 0.0, 0.15, 1, 1.0])
+def test_blend_takes_ratios_in_0_1_and_is_frozen(ratio):
+    b = Blend(ratio, "chunk-heads")
+    assert b.recompute_ratio == ratio and b.policy == "chunk-heads"
+    with pytest.raises(AttributeError):
+        b.recompute_ratio = 0.5
+
+
+@pytest.mark.parametrize("policy", ["cacheblend", "", None, "KV-deviation"])
+def test_blend_refuses_an_unknown_policy_by_name(policy):
+    with pytest.raises(ValueError, match=re.escape(f"policy must be one of ['kv-deviation', 'chunk-heads'], "
+                                                   f"got {policy!r}")):
+        Blend(0.1, policy)
