@@ -17,6 +17,7 @@ from chunkwise.kernels.paged_attention import paged_attention, paged_attention_r
 from chunkwise.kernels.split_kv import merge_splits_ref, split_kv_decode, split_kv_decode_ref  # noqa: E402
 from chunkwise.kernels.fused_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
 from chunkwise.kernels.rope_store import rope_cos_sin, rope_store, rope_store_ref  # noqa: E402
+from chunkwise.kernels.relocate import relocate_kv, relocate_kv_ref  # noqa: E402
 from chunkwise.kernels.activation import act_and_mul, act_and_mul_ref  # noqa: E402
 from chunkwise.kernels.matmul import matmul, matmul_ref  # noqa: E402
 
@@ -26,6 +27,7 @@ __all__ = [
     "CascadeGroups", "cascade_groups", "cascade_item_size", "cascade_decode", "cascade_decode_ref",
     "rms_norm", "rms_norm_ref", "add_rms_norm", "add_rms_norm_ref",
     "rope_cos_sin", "rope_store", "rope_store_ref",
+    "relocate_kv", "relocate_kv_ref",
     "act_and_mul", "act_and_mul_ref",
     "matmul", "matmul_ref",
 ]

@@ -6,7 +6,10 @@ Layouts:
     page_tables:     int32 [num_seqs, max_pages_per_seq]; position p of s lives in page page_tables[s, p // page_size]
     seq_lens:         int32 [num_seqs], tokens in the cache for s including its new (already stored) tokens
     query_start_loc:  int32 [num_seqs + 1], cumulative query counts starting at 0
-Query j of s sits at position seq_lens[s] - q_len + j and sees positions <= its own (and > pos - sliding_window).
+    positions:        int64 [num_tokens] or None
+Query j of s sits at position seq_lens[s] - q_len + j, or at positions[query_start_loc[s] + j] when positions are
+given (in strictly ascending order within s, each < seq_lens[s], not necessarily contiguous: the rows a blend
+recomputes), and sees positions <= its own (and > pos - sliding_window).
 
 One program serves BLOCK_Q query tokens of one sequence times the GROUP query heads of one KV head (GQA packed
 into the rows), so every loaded K/V tile serves all heads that share it. Tile sizes depend only on head_dim and
@@ -56,7 +59,7 @@ def shared_memory(device: torch.device) -> int:
     return _cuda_shared_memory(device) if device.type == "cuda" else 0
 
 
-def _check(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, sliding_window, out):
+def _check(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, sliding_window, out, positions):
     check_cache(q, k_cache, v_cache, page_tables, seq_lens)
     check_window(sliding_window)
     if query_start_loc.shape != (seq_lens.shape[0] + 1,) or query_start_loc.dtype != torch.int32:
@@ -64,12 +67,18 @@ def _check(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, sliding_
                          f"{tuple(query_start_loc.shape)}")
     if out is not None and (out.shape != q.shape or out.stride(2) != 1):
         raise ValueError(f"out {tuple(out.shape)} must match q {tuple(q.shape)} with head_dim contiguous")
+    if positions is not None and (positions.shape != (q.shape[0],) or positions.dtype != torch.int64
+                                  or positions.stride(0) != 1 or positions.device != q.device):
+        raise ValueError(f"positions must be contiguous int64 [{q.shape[0]}] on {q.device}, got {positions.dtype} "
+                         f"{tuple(positions.shape)} on {positions.device}")
 
 
 def paged_attention_ref(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, scale,
-                        sliding_window=None, out=None):
-    """PyTorch twin of `paged_attention`: per sequence, gather its K/V and run a float32 masked softmax."""
-    _check(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, sliding_window, out)
+                        sliding_window=None, out=None, positions=None):
+    """PyTorch twin of `paged_attention`: per sequence, gather its K/V and run a float32 masked softmax.
+
+    Unlike the kernel, which reads nothing back to the host, it also checks the values of explicit positions."""
+    _check(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, sliding_window, out, positions)
     out = torch.empty_like(q) if out is None else out
     starts = query_start_loc.tolist()
     for s, seq_len in enumerate(seq_lens.tolist()):
@@ -79,7 +88,13 @@ def paged_attention_ref(q, k_cache, v_cache, page_tables, seq_lens, query_start_
             continue
         k = gather_kv_ref(k_cache, page_tables[s], seq_len)
         v = gather_kv_ref(v_cache, page_tables[s], seq_len)
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        if positions is None:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        else:
+            q_pos = positions[rows]
+            if q_pos[0] < 0 or q_pos[-1] >= seq_len or (q_pos[1:] <= q_pos[:-1]).any():
+                raise ValueError(f"positions of sequence {s} must ascend strictly within [0, {seq_len}), got "
+                                 f"{q_pos.tolist()}")
         out[rows] = attend_ref(q[rows], k, v, q_pos, scale, sliding_window)[0].to(out.dtype)
     return out
 
@@ -102,12 +117,14 @@ def _find_sequence(query_start_loc_ptr, num_seqs, block_idx, BLOCK_Q: tl.constex
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    positions_ptr,  # int64 [num_tokens], read if EXPLICIT_POSITIONS (None otherwise)
     num_seqs, qk_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
+    EXPLICIT_POSITIONS: tl.constexpr,
 ):
     # Last query blocks first: a sequence's later blocks see more keys, so the longest programs start first
     # and the short ones fill the tail.
@@ -120,20 +137,28 @@ def _paged_attention_kernel(
     if local * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + s)
-    first_pos = seq_len - q_len + local * BLOCK_Q
 
     rows = tl.arange(0, BLOCK_M)
     tok = local * BLOCK_Q + rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
-    q_pos = seq_len - q_len + tok
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     io_mask = row_ok[:, None] & d_ok[None, :]
     row_tok = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + row_tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0)
 
-    last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len)  # one past the block's last query
+    if EXPLICIT_POSITIONS:
+        # The block's rows may lie far apart: its tiles run from the first row's window to the last row, and
+        # the tile bounds below follow from the first and last position as for implicit ones, so a row at the
+        # same position folds the same tiles in the same order (those outside its own range leave no bit).
+        q_pos = tl.load(positions_ptr + row_tok, mask=row_ok, other=0).to(tl.int32)
+        first_pos = tl.min(tl.where(row_ok, q_pos, seq_len), 0)
+        last_pos = tl.minimum(tl.max(tl.where(row_ok, q_pos, 0), 0) + 1, seq_len)  # one past the block's last query
+    else:
+        q_pos = seq_len - q_len + tok
+        first_pos = seq_len - q_len + local * BLOCK_Q
+        last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len)  # one past the block's last query
     t_end = tl.cdiv(last_pos, BLOCK_N)
     t_start = 0
     # Tiles [full_lo, full_hi) are seen whole by every row of the block: they skip the mask.
@@ -169,13 +194,17 @@ def _paged_attention_kernel(
 
 
 def paged_attention(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, scale,
-                    sliding_window=None, out=None, max_rows=256):
+                    sliding_window=None, out=None, max_rows=256, positions=None):
     """Causal attention of every query row over its sequence's pages; returns out (allocated if None).
 
     max_rows caps the rows of a program's tile (see tile_config) for batches of one-token queries, where
     a tile taller than 128 rows would be padding (deterministic mode's decodes, which share the prefill's
-    tiles and so pass the same cap there too)."""
-    _check(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, sliding_window, out)
+    tiles and so pass the same cap there too).
+
+    positions (int64 [num_tokens]) places each row explicitly (see the module docstring); a row at the same
+    position gets the same bits as without them. Their values are not checked here (that would read them back
+    to the host); the reference checks them."""
+    _check(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, sliding_window, out, positions)
     if max_rows not in (128, 256):
         raise ValueError(f"max_rows must be 128 or 256, got {max_rows!r}")
     out = torch.empty_like(q) if out is None else out
@@ -191,7 +220,7 @@ def paged_attention(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc,
     # without reading query lengths back to the host.
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, page_tables, seq_lens, query_start_loc,
+        q, k_cache, v_cache, out, page_tables, seq_lens, query_start_loc, positions,
         num_seqs, scale * LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), page_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -199,7 +228,7 @@ def paged_attention(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc,
         PAGE_SIZE=k_cache.shape[1], GROUP=group, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None, PRECISION=precision_for(q.dtype),
-        PAGES_PER_TILE=pages_per_tile(k_cache.shape[1], block_n),
+        PAGES_PER_TILE=pages_per_tile(k_cache.shape[1], block_n), EXPLICIT_POSITIONS=positions is not None,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
     )
     return out
