@@ -59,7 +59,12 @@ def validate_requests(model_config: ModelConfig, tokenizer, max_model_len: int, 
         if len(tokens) + p.max_tokens > max_model_len:
             raise ValueError(f"prompt {i}: {len(tokens)} tokens + max_tokens {p.max_tokens} exceed "
                              f"max_model_len {max_model_len}")
-        if c is None and pc is not None:   # explicit chunk_sizes win over the pieces' boundaries
+        if mode != "exact" and c is not None:
+            raise ValueError(f"prompt {i}: chunk_sizes={c!r:.80} cannot be combined with reuse={mode!r}: a blended "
+                             f"prompt is prefilled in one step (its recompute is chosen over the whole prompt)")
+        if mode != "exact" and pc is not None:
+            c = [len(tokens)]
+        elif c is None and pc is not None:   # explicit chunk_sizes win over the pieces' boundaries
             c = [piece.num_tokens for piece in pc]
         requests.append(Request(tokens, p, expand_chunk_sizes(c, len(tokens), i), pc, mode))
     return requests

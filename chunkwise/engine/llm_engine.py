@@ -36,6 +36,7 @@ from chunkwise.engine_config import EngineConfig
 from chunkwise.requests import single_prompt, validate_requests
 from chunkwise.sampling import RequestOutput, SamplingParams
 from chunkwise.tokenizer import TextStream, decode, load_tokenizer
+from chunkwise.engine.blend import HostBlend, blend_report
 from chunkwise.engine.host_step import Launched
 from chunkwise.engine.page_pool import PagePool
 from chunkwise.engine.parallel.executor import Executor, MultiprocExecutor
@@ -124,10 +125,23 @@ class Engine:
         self._check_open()
         requests = validate_requests(self.model_config, self.tokenizer, self.max_model_len, prompts, sampling_params,
                                      chunk_sizes, reuse, self.chunks)
+        for i, r in enumerate(requests):
+            if r.reuse != "exact":
+                self._check_blend(r.reuse, i)
         seqs = [Sequence.from_request(r) for r in requests]
         for i, seq in enumerate(seqs):   # the scheduler's own check, for the whole batch before any is added
             self.scheduler.check_fits(seq, name=f"prompt {i}")
         return seqs
+
+    def _check_blend(self, blend, index: int) -> None:
+        """ValueError naming what keeps this engine from serving reuse=`blend`."""
+        config = self.engine_config
+        if not config.enable_prefix_caching:
+            raise ValueError(f"prompt {index}: reuse={blend!r} needs enable_prefix_caching=True: a chunk's own K/V are "
+                             f"kept in the prefix cache")
+        if config.tensor_parallel_size > 1:
+            raise ValueError(f"prompt {index}: reuse={blend!r} is not supported with tensor_parallel_size="
+                             f"{config.tensor_parallel_size} (blended prefills run on one device)")
 
     def _submit(self, seq: Sequence, check_fits: bool = True) -> int:
         rid = self._num_ids
@@ -174,7 +188,7 @@ class Engine:
         return RequestOutput(seq.seq_id, list(seq.prompt_token_ids), token_ids=seq.completion_token_ids,
                              text=decode(self.tokenizer, seq.completion_token_ids), logprobs=seq.logprobs,
                              finish_reason=reason, num_cached_tokens=seq.num_cached_tokens, error=seq.error,
-                             chunk_reuse=reuse_report(seq.pieces, seq.num_cached_tokens))
+                             chunk_reuse=seq.chunk_reuse or reuse_report(seq.pieces, seq.num_cached_tokens))
 
     # ---- chunks ------------------------------------------------------------------------------------
     def register_chunk(self, prompt, pin: bool = False) -> Chunk:
@@ -292,6 +306,8 @@ class Engine:
         if exc is not None:   # contained as in `_step`
             return self._fail(batch, exc)
         tokens, logprobs = result
+        if launched.blend is not None:
+            self._report_blend(batch, *launched.blend)
         sampled = [s for s in launched.seqs if s.seq_id in tokens]   # those that ended since are skipped
         finished = {s.seq_id for s in self.scheduler.postprocess(batch, tokens)}
         results = []
@@ -304,6 +320,13 @@ class Engine:
             out = self._finish(seq, seq.finish_reason) if rid in finished else None
             results.append(StepOutput(rid, [tokens[rid]], lp, out.finish_reason if out else None, out))
         return results
+
+    def _report_blend(self, batch: ScheduledBatch, blend: HostBlend, kept: torch.Tensor) -> None:
+        """Each blended prefill's ChunkReuse, from the rows its step computed at the last layer."""
+        kept = kept.cpu().numpy()
+        seqs = {s.seq_id: s for s in batch.seqs}
+        for seq_id, job, first in blend.jobs:
+            seqs[seq_id].chunk_reuse = blend_report(job, seqs[seq_id].pieces, first, kept)
 
     def _drain(self) -> list[StepOutput]:
         """Postprocess the step in flight, if any."""

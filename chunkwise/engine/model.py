@@ -24,7 +24,7 @@ Flat-batch layout (built by `ModelRunner`): tokens of the sequences that bring p
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,9 @@ from chunkwise.model_config import ModelConfig
 from chunkwise.kernels import (CascadeGroups, act_and_mul, add_rms_norm, cascade_decode, matmul, paged_attention, rms_norm,
                      rope_cos_sin, rope_store, split_kv_decode)
 from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE, SplitWorkspace, num_splits_for, split_workspace
+from chunkwise.engine.blend import BlendInputs, select_rows
 from chunkwise.engine.parallel.tensor_parallel import TensorParallel
+from chunkwise.kernels.relocate import relocate_kv
 
 
 @dataclass
@@ -49,6 +51,7 @@ class StepInputs:
     decode_seq_lens: torch.Tensor      # int32 [D]
     logits_indices: torch.Tensor     # int64 [N], rows whose logits are sampled (each one's last new token)
     cascade: CascadeGroups | None = None   # decodes' shared splits, read once per group (None: none shared)
+    blend: BlendInputs | None = None       # blended prefills (chunkwise/engine/blend.py): rows above are layer 0's
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -140,18 +143,36 @@ class Model:
                       if self.deterministic else None)
         split_decodes = decode_qsl is None and inp.decode_seq_lens.shape[0] > 0
         workspace = self._split_workspace(inp, kv_caches[0][0]) if split_decodes else None
+        blend = inp.blend
+        if blend is not None:
+            self._place(blend, kv_caches)
+            candidate = blend.candidate
+            kept = torch.arange(candidate.shape[0], device=h.device)
         # A sublayer's output h joins the residual stream inside the next norm's kernel. Gemma normalizes h
         # first (post-attention / post-FF norm): that norm (`pending` for the post-FF one) goes in the same kernel.
         residual, pending = None, None
         for i, lw in enumerate(self.layers):
             x, residual = self._add_norm(h, residual, lw["input_norm"], pending)
-            h = self._attention(i, lw, x, inp, kv_caches[i], rope[self.rope_index[i]], decode_qsl, workspace)
+            check = blend.checks.get(i) if blend is not None else None
+            placed = self._kv_rows(kv_caches[i], inp.slot_mapping) if check is not None else None
+            q = self._qkv_store(lw, x, inp, kv_caches[i], rope[self.rope_index[i]])
+            if check is not None:   # keep the rows that go on: fixed ones and the most deviating candidates
+                fresh = self._kv_rows(kv_caches[i], inp.slot_mapping)
+                deviation = sum(((f.float() - p.float()) ** 2).sum((1, 2)) for f, p in zip(fresh, placed))
+                keep = select_rows(check, deviation, candidate)
+                q, residual, candidate, kept = q[keep], residual[keep], candidate[keep], kept[keep]
+                rope = [(cos[keep], sin[keep]) for cos, sin in rope]
+                inp = replace(inp, input_ids=inp.input_ids[keep], positions=inp.positions[keep],
+                              slot_mapping=inp.slot_mapping[keep], query_start_loc=check.query_start_loc)
+            h = self._attention(i, lw, q, inp, kv_caches[i], decode_qsl, workspace)
             if self.cfg.sandwich_norms:
                 x, residual = self._add_norm(h, residual, lw["pre_ff_norm"], lw["post_attn_norm"])
                 pending = lw["post_ff_norm"]
             else:
                 x, residual = self._add_norm(h, residual, lw["post_attn_norm"])
             h = self._mlp(lw, x)
+        if blend is not None:
+            blend.kept = kept
         x, _ = self._add_norm(h, residual, self.final_norm, pending)  # row-wise: norm all rows, then pick
         logits = self._linear(x[inp.logits_indices], self.lm_head)
         cap = self.cfg.final_logit_softcapping
@@ -202,13 +223,30 @@ class Model:
             split_kv_decode(*args, self.cfg.attn_scale, sliding_window=window, split_size=self.split_size,
                             out=out, workspace=workspace)
 
-    def _attention(self, i: int, lw: dict, x: torch.Tensor, inp: StepInputs, kv, rope,
-                   decode_qsl: torch.Tensor | None, workspace: SplitWorkspace | None) -> torch.Tensor:
-        cfg, t = self.cfg, x.shape[0]
+    def _place(self, blend: BlendInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Every layer's stored chunk K/V to the candidates' slots, K re-rotated by its layer's RoPE."""
+        for i, (k_cache, v_cache) in enumerate(kv_caches):
+            relocate_kv(k_cache, v_cache, blend.src_slots, blend.dst_slots, blend.deltas,
+                        self.inv_freqs[self.rope_index[i]])
+
+    @staticmethod
+    def _kv_rows(kv, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of K and V [rows, kv_heads, head_dim] at the cache slots."""
+        k_cache, v_cache = kv
+        return tuple(c.view(-1, *c.shape[2:]).index_select(0, slots) for c in (k_cache, v_cache))
+
+    def _qkv_store(self, lw: dict, x: torch.Tensor, inp: StepInputs, kv, rope) -> torch.Tensor:
+        """The rows' rotated q; their K/V go into the cache."""
+        cfg = self.cfg
         k_cache, v_cache = kv
         cos, sin = rope
-        q = rope_store(self._linear(x, lw["qkv"]), lw.get("qkv_bias"), lw.get("q_norm"), lw.get("k_norm"), cos, sin,
-                       inp.slot_mapping, k_cache, v_cache, cfg.rms_norm_eps, cfg.norm_plus_one)
+        return rope_store(self._linear(x, lw["qkv"]), lw.get("qkv_bias"), lw.get("q_norm"), lw.get("k_norm"), cos,
+                          sin, inp.slot_mapping, k_cache, v_cache, cfg.rms_norm_eps, cfg.norm_plus_one)
+
+    def _attention(self, i: int, lw: dict, q: torch.Tensor, inp: StepInputs, kv,
+                   decode_qsl: torch.Tensor | None, workspace: SplitWorkspace | None) -> torch.Tensor:
+        cfg, t = self.cfg, q.shape[0]
+        k_cache, v_cache = kv
         out = torch.empty_like(q)
         window, p = cfg.window(i), inp.num_prefill_tokens
         # Prefill and decodes write disjoint rows of out; the step's stream waits for the side stream before
@@ -221,7 +259,8 @@ class Model:
                 self._decode_attention(q[p:], out[p:], inp, kv, window, decode_qsl, workspace)
         if p:
             paged_attention(q[:p], k_cache, v_cache, inp.page_tables, inp.seq_lens, inp.query_start_loc,
-                            cfg.attn_scale, sliding_window=window, out=out[:p], max_rows=self.attention_rows)
+                            cfg.attn_scale, sliding_window=window, out=out[:p], max_rows=self.attention_rows,
+                            positions=inp.positions[:p] if inp.blend is not None else None)
         if side is not None:
             torch.cuda.current_stream(q.device).wait_stream(side)
         out = self._linear(out.reshape(t, -1), lw["o"])

@@ -27,6 +27,7 @@ import torch
 
 from chunkwise.engine_config import EngineConfig
 from chunkwise.kernels.cascade import CascadeGroups, cascade_groups, cascade_item_size
+from chunkwise.engine.blend import BlendInputs, CheckLayer, plan_rows
 from chunkwise.engine.cuda_graphs import DecodeGraphs
 from chunkwise.engine.host_step import ALIGN, HostStep, Launched, fill_pending, synthetic_step
 from chunkwise.engine.kv_cache import KVCache
@@ -60,6 +61,7 @@ class ModelRunner:
         # read of them is queued before that replay.
         self.last_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.last_rows: dict[int, int] = {}
+        self.last_blend: BlendInputs | None = None   # the last eager step's blending, once run (its kept rows)
         self.graphs = DecodeGraphs(self.model, self.kv, tp, max_pages_per_seq=config.max_pages_per_seq,
                                    page_size=self.page_size, split_size=self.split_size,
                                    cascade_item_size=self.cascade_item_size, num_kv_heads=self.num_kv_heads,
@@ -108,15 +110,21 @@ class ModelRunner:
         else:   # decodes only: each computes its last token
             ids = np.array([s.token_ids[-1] for s in seqs], np.int64)
             ids[pending] = -1
+        blend, final = None, ends
+        jobs = [batch.blends.get(s.seq_id) for s in seqs[:len(prefill)]]
+        if any(j is not None for j in jobs):   # blended prefills: some rows start late or stop early
+            keep0, final_n, blend = plan_rows(jobs, n, slots, len(prefill), [s.seq_id for s in seqs])
+            ids, pos, slots = ids[keep0], pos[keep0], slots[keep0]
+            ends, final = np.cumsum(np.add.reduceat(keep0.astype(np.int64), ends - n)), np.cumsum(final_n)
         try:
             src = np.array([self.last_rows[s.seq_id] for s, p in zip(seqs, pending) if p], np.int64)
         except KeyError as exc:
             raise RuntimeError(f"sequence {exc} has a pending token the last launched step did not sample") from None
-        host = HostStep(ids=ids, positions=pos, slots=slots, logits_indices=(ends - 1)[samples], rows=rows,
+        host = HostStep(ids=ids, positions=pos, slots=slots, logits_indices=(final - 1)[samples], rows=rows,
                         seq_lens=(start + n).astype(np.int32), query_start_loc=np.concatenate(
                             ([0], ends[:len(prefill)])).astype(np.int32), num_prefill=len(prefill),
                         cascade=self._cascade(rows[len(prefill):], start[len(prefill):] + 1),
-                        pending=(ends - 1)[pending], pending_src=src,
+                        pending=(final - 1)[pending], pending_src=src, blend=blend,
                         needs_logits=any(s.sampling_params.needs_logits for s, _, keep, _ in entries if keep),
                         page_changes=batch.page_changes)
         return host, [e[0] for e in entries if e[2]]
@@ -152,7 +160,16 @@ class ModelRunner:
                           page_tables=self.tables.table.index_select(0, prows), seq_lens=lens,
                           query_start_loc=qsl, decode_page_tables=self.tables.table.index_select(0, drows),
                           decode_seq_lens=dlens, logits_indices=logits,
-                          cascade=groups.on(*group_tensors) if groups is not None else None)
+                          cascade=groups.on(*group_tensors) if groups is not None else None,
+                          blend=self._upload_blend(host) if host.blend is not None else None)
+
+    def _upload_blend(self, host: HostStep) -> BlendInputs:
+        b = host.blend
+        layers = sorted(b.checks)
+        (src, dst, deltas, candidate), _ = self._packed([b.src_slots, b.dst_slots, b.deltas, b.candidate], torch.int64)
+        qsls, _ = self._packed([b.checks[i][1] for i in layers], torch.int32)
+        return BlendInputs(src, dst, deltas, candidate.bool(),
+                           {i: CheckLayer(b.checks[i][0], q) for i, q in zip(layers, qsls)})
 
     def _packed(self, arrays, dtype):
         """Device views of `arrays` packed into one buffer (one host-to-device copy); each view starts
@@ -188,7 +205,8 @@ class ModelRunner:
         # Only greedy tokens can feed the next step before sampling: a drawn token exists only after it.
         self.last_tokens = tokens
         self.last_rows = {s.seq_id: i for i, s in enumerate(sampled) if s.sampling_params.greedy}
-        return Launched(sampled, logits, host_tokens, ready, host.needs_logits)
+        blend = None if host.blend is None else (host.blend, self.last_blend.kept)
+        return Launched(sampled, logits, host_tokens, ready, host.needs_logits, blend)
 
     @torch.inference_mode()
     def run_host(self, host: HostStep) -> None:
@@ -221,7 +239,10 @@ class ModelRunner:
             self.launches[kind, "graph"] += 1
             return self.graphs.replay(host, self.tables.table, self.last_tokens)
         self.launches[kind, "eager"] += 1
-        return self.model.forward(self._upload(host), self.kv.layers), None
+        inp = self._upload(host)
+        logits = self.model.forward(inp, self.kv.layers)
+        self.last_blend = inp.blend
+        return logits, None
 
     def _warm_up(self):
         """Run one eager forward per specialisation class, so no Triton kernel compiles inside a user's step.

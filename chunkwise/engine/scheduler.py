@@ -15,6 +15,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
+from chunkwise.engine.blend import BlendJob, plan_blend
 from chunkwise.engine.page_pool import PageChanges, PagePool
 from chunkwise.engine.sequence import Sequence, SequenceStatus
 
@@ -27,6 +28,7 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)   # computed this step from seq.num_computed_tokens
     preempted: list[Sequence] = field(default_factory=list)
     page_changes: PageChanges = field(default_factory=PageChanges.none)   # to apply to page tables before it runs
+    blends: dict[int, BlendJob] = field(default_factory=dict)   # seq id -> its blended prefill in this step
     # Per seq, fixed at scheduling time (`advance` moves num_computed_tokens on): the tokens it has computed
     # once this step is done, and whether this step computes its last token, so the engine samples its next.
     ends: list[int] = field(init=False)
@@ -61,11 +63,17 @@ class _Plan:
         if seq.seq_id in self.tokens:
             self.budget += self.tokens.pop(seq.seq_id)[1]
 
-    def batch(self, pool: PagePool) -> ScheduledBatch:
-        """The step; a step that runs something takes the pool's page changes with it."""
+    def batch(self, pool: PagePool, num_layers: int) -> ScheduledBatch:
+        """The step; a step that runs something takes the pool's page changes with it, and its blended prefills
+        resolved against the prefix cache after every allocation of the step (chunkwise/engine/blend.py)."""
         entries = list(self.tokens.values())
         changes = pool.take_changes() if entries else PageChanges.none()
-        return ScheduledBatch([s for s, _ in entries], [n for _, n in entries], self.preempted, changes)
+        blends = {}
+        for s, _ in entries:
+            if s.blend is not None and s.num_preemptions == 0 and s.num_computed_tokens < s.num_prompt_tokens:
+                blends[s.seq_id] = plan_blend(s.blend, s.pieces, s.num_computed_tokens, pool, num_layers)
+                s.blended_from = s.num_computed_tokens
+        return ScheduledBatch([s for s, _ in entries], [n for _, n in entries], self.preempted, changes, blends)
 
 
 class Scheduler:
@@ -113,7 +121,7 @@ class Scheduler:
         plan = _Plan(self.engine_config.max_num_batched_tokens)
         alone, self._alone = self._alone, None
         if alone is not None and not alone.is_finished and self._schedule_alone(alone, plan):
-            return plan.batch(self.page_pool)
+            return plan.batch(self.page_pool, self.engine_config.model_config.num_layers)
         # A decode whose pending token is its max_tokens-th finishes when that token lands: not scheduled again.
         for seq in [s for s in self.running if s.num_uncomputed_tokens == 1 and not s.pending_is_last]:
             if plan.budget <= 0:
@@ -133,7 +141,7 @@ class Scheduler:
                     self._reserve(seq, n, plan)
         if self._alone is None and not chunk_waits:
             self._admit(plan)
-        return plan.batch(self.page_pool)
+        return plan.batch(self.page_pool, self.engine_config.model_config.num_layers)
 
     def _chunk(self, seq: Sequence, plan: _Plan, computed: int | None = None) -> int:
         """Tokens seq computes next, from `computed` tokens (default: its own count): up to its next caller
@@ -172,6 +180,7 @@ class Scheduler:
         self.page_pool.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
+        seq.blended_from = None   # its recompute is exact
         self.waiting.appendleft(seq)
         plan.preempted.append(seq)
 
@@ -227,7 +236,8 @@ class Scheduler:
         finished = []
         for seq, end, samples in live:
             if seq.status is SequenceStatus.RUNNING:
-                self.page_pool.commit(seq, end)
+                # A blended sequence's K/V are approximate from its exact prefix on: never shared as exact.
+                self.page_pool.commit(seq, end if seq.blended_from is None else min(end, seq.blended_from))
             if not samples:
                 continue
             token = sampled[seq.seq_id]
