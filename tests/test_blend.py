@@ -1,0 +1,193 @@
+"""Blend mode in the fast engine (chunkwise/engine/blend.py): chunks' own K/V placed at new positions, a share of
+their tokens recomputed.
+
+Its promises, each tested here: at recompute ratio 1 it is a full recompute, bit for bit exact mode's in
+deterministic mode (the anchor tying it to the harness); a token not recomputed carries its chunk's own K/V, K
+rotated to its new position; a blended request's approximate pages never serve another request as exact ones;
+`chunk_reuse` counts what each policy recomputed; batch-mates keep their bits; a config that cannot blend is
+refused by name with nothing leaked. Four-layer tiny models, so that check layers (1..3) differ from a full
+recompute (with two layers every K/V is fresh by layer 1).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
+
+from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
+from chunkwise.chunks import Blend, Chunk
+from chunkwise.engine import Engine, SamplingParams
+from chunkwise.engine.blend import check_ratios, num_kept
+from chunkwise.reference.model import rotate
+
+pytestmark = pytest.mark.correctness
+
+LAYERS = 4
+PARAMS = SamplingParams(max_tokens=3, ignore_eos=True)
+FAMILIES = ("qwen3", "gemma3_text", "llama", "mistral")   # q/k-norm, sliding + global RoPE, GQA, sliding window
+_engines: dict[tuple, Engine] = {}
+
+
+def engine(tiny_ckpt, family: str, page_size: int, dtype: str = "float32", **kw) -> Engine:
+    """A deterministic engine per (family, page size, dtype), kept for the module."""
+    key = family, page_size, dtype, tuple(sorted(kw.items()))
+    if key not in _engines:
+        _engines[key] = Engine(str(tiny_ckpt(family, num_hidden_layers=LAYERS)), dtype=dtype, device="cpu",
+                               page_size=page_size, num_pages=kw.pop("num_pages", 400), max_model_len=192,
+                               deterministic=True, **kw)
+    return _engines[key]
+
+
+def seeded_ids(length: int, seed) -> list[int]:
+    rng = random.Random(str(seed))
+    return [rng.randrange(3, VOCAB) for _ in range(length)]
+
+
+def concat(prompt) -> list[int]:
+    return [t for p in prompt for t in (p.token_ids if isinstance(p, Chunk) else p)]
+
+
+@st.composite
+def compositions(draw, max_chunks=4):
+    """(chunk lengths, a prompt layout: ("chunk", i) or ("text", ids) pieces, ending in text or a chunk)."""
+    lengths = draw(st.lists(st.integers(1, 24), min_size=1, max_size=max_chunks))
+    order = draw(st.permutations(range(len(lengths))))
+    layout = []
+    for i in order:
+        if draw(st.booleans()):
+            layout.append(("text", seeded_ids(draw(st.integers(1, 5)), draw(st.integers(0, 99)))))
+        layout.append(("chunk", i))
+    if draw(st.booleans()):
+        layout.append(("text", seeded_ids(draw(st.integers(1, 6)), draw(st.integers(0, 99)))))
+    return lengths, layout
+
+
+def build(eng: Engine, lengths, layout, seed) -> list:
+    chunks = [eng.register_chunk(seeded_ids(n, (seed, i, n))) for i, n in enumerate(lengths)]
+    return [chunks[x] if kind == "chunk" else x for kind, x in layout]
+
+
+@settings(max_examples=6)
+@given(family=st.sampled_from(FAMILIES), page_size=st.sampled_from([1, 2, 3, 4, 8]), comp=compositions(),
+       policy=st.sampled_from(["kv-deviation", "chunk-heads"]), seed=st.integers(0, 10**6))
+def test_blend_at_ratio_one_is_bitwise_exact_mode_in_deterministic_mode(tiny_ckpt, family, page_size, comp, policy,
+                                                                        seed):
+    eng = engine(tiny_ckpt, family, page_size)
+    prompt = build(eng, *comp, seed)
+    note(f"prompt {prompt}")
+    blend = Blend(1.0, policy)
+    k_b, v_b = eng.prefill_kv(prompt, reuse=blend)
+    out_b = eng.generate([prompt], PARAMS, reuse=blend)[0]   # blended pages are not cached: exact runs afresh
+    k_e, v_e = eng.prefill_kv(concat(prompt))
+    out_e = eng.generate([concat(prompt)], PARAMS)[0]
+    assert torch.equal(k_b, k_e) and torch.equal(v_b, v_e)
+    assert out_b.token_ids == out_e.token_ids
+    assert all(r.blended == 0 for r in out_b.chunk_reuse), out_b.chunk_reuse
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_a_token_not_recomputed_carries_its_chunks_own_kv_with_k_rotated_to_its_new_position(tiny_ckpt, family):
+    eng = engine(tiny_ckpt, family, 4)
+    docs = [seeded_ids(n, ("doc", family, n)) for n in (12, 9, 16)]
+    chunks = [eng.register_chunk(d) for d in docs]
+    prompt = [[5, 6, 7], chunks[2], [8], chunks[0], chunks[1], [9, 10]]
+    k, v = eng.prefill_kv(prompt, reuse=Blend(0.0))
+    cfg = eng.model_config
+    start = 3
+    for piece in prompt[1:]:
+        if isinstance(piece, Chunk):
+            k_own, v_own = eng.prefill_kv(list(piece.token_ids))
+            stored = len(piece) // 4 * 4   # its full pages; the tail is computed like text
+            rows = slice(start, start + stored)
+            assert torch.equal(v[:, rows], v_own[:, :stored])
+            for layer in range(cfg.num_layers):
+                inv_freq = cfg.rope_for(layer).inv_freq(cfg.head_dim)
+                # [kv_heads, T, D] as the reference rotates: by `start` more than its own positions 0..
+                moved = rotate(k_own[layer, :stored].transpose(0, 1), torch.full((stored,), start), inv_freq)
+                torch.testing.assert_close(k[layer, rows], moved.transpose(0, 1), atol=2e-5, rtol=1e-5)
+            start += len(piece)
+        else:
+            start += len(piece)
+    # Layer 0's K/V depend on the token and its position alone: the placed ones equal a full recompute's.
+    k_e, v_e = eng.prefill_kv(concat(prompt))
+    torch.testing.assert_close(k[0], k_e[0], atol=2e-5, rtol=1e-5)
+    assert not torch.allclose(k[1:], k_e[1:], atol=1e-3)   # later layers miss the context: that is blending
+
+
+def test_a_blended_requests_pages_never_serve_an_exact_request(tiny_ckpt):
+    eng = engine(tiny_ckpt, "qwen3", 2)
+    doc, sys_ = eng.register_chunk(seeded_ids(14, "pages-doc")), eng.register_chunk(seeded_ids(6, "pages-sys"))
+    prompt = [sys_, [11, 12, 13], doc, [14, 15, 16, 17]]
+    eng.generate([prompt], PARAMS, reuse=Blend(0.2))
+    exact = eng.generate([prompt], PARAMS)[0]
+    fresh = Engine(str(tiny_ckpt("qwen3", num_hidden_layers=LAYERS)), dtype="float32", device="cpu", page_size=2,
+                   num_pages=400, max_model_len=192, deterministic=True)
+    assert exact.token_ids == fresh.generate([concat(prompt)], PARAMS)[0].token_ids
+    assert torch.equal(eng.prefill_kv(prompt)[0], fresh.prefill_kv(concat(prompt))[0])
+    # only the system chunk's full pages (computed at position 0 on their own) were exact to reuse
+    assert exact.chunk_reuse[0].exact == 6 and sum(r.exact for r in exact.chunk_reuse[1:]) == 0
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.05, 0.3, 0.7])
+def test_the_report_counts_what_each_policy_recomputed(tiny_ckpt, ratio):
+    eng = engine(tiny_ckpt, "llama", 4)
+    lengths = (10, 17, 8)
+    chunks = [eng.register_chunk(seeded_ids(n, ("report", n))) for n in lengths]
+    prompt = [[3, 4], chunks[1], chunks[0], [5], chunks[2], [6, 7, 8]]
+    stored = [n // 4 * 4 for n in (17, 10, 8)]
+    heads = eng.generate([prompt], PARAMS, reuse=Blend(ratio, "chunk-heads"))[0].chunk_reuse
+    for r, n, s in zip([heads[1], heads[2], heads[4]], (17, 10, 8), stored):
+        h = min(s, int(ratio * n + 0.5))
+        assert (r.exact, r.blended, r.recomputed) == (0, s - h, n - s + h), r
+    assert [r.recomputed for r in (heads[0], heads[3], heads[5])] == [2, 1, 3]
+    dev = eng.generate([prompt], PARAMS, reuse=Blend(ratio))[0].chunk_reuse
+    n = sum(stored)
+    kept = num_kept(check_ratios(ratio, LAYERS)[-1], n) if ratio else 0
+    assert sum(r.recomputed for r in dev) == sum(lengths) + 6 - n + kept
+    assert all(r.exact + r.blended + r.recomputed == r.num_tokens for r in dev)
+
+
+def test_gradual_filtering_narrows_from_above_the_ratio_to_it():
+    assert check_ratios(0.15, 28) == pytest.approx([0.25, 0.2, 0.15])
+    assert check_ratios(0.9, 28)[0] == 1.0 and check_ratios(0.3, 2) == [0.3]
+    assert [num_kept(r, 10) for r in (0.0, 0.05, 0.15, 0.25, 1.0)] == [0, 1, 2, 3, 10]
+
+
+def test_a_blended_request_leaves_its_batch_mates_bits_alone(tiny_ckpt):
+    eng = engine(tiny_ckpt, "gemma3_text", 4)
+    doc = eng.register_chunk(seeded_ids(20, "mate-doc"))
+    others = [seeded_ids(n, ("mate", n)) for n in (5, 19, 33)]
+    alone = eng.generate(others, PARAMS)
+    mixed = eng.generate(others + [[[1, 2], doc, [3, 4]]], PARAMS, reuse=["exact"] * 3 + [Blend(0.3)])
+    assert [o.token_ids for o in mixed[:3]] == [o.token_ids for o in alone]
+    assert mixed[3].chunk_reuse[1].blended > 0
+
+
+def test_blend_is_refused_by_name_where_it_cannot_be_served_and_nothing_leaks(tiny_ckpt):
+    eng = engine(tiny_ckpt, "qwen3", 4, enable_prefix_caching=False)
+    doc = eng.register_chunk(seeded_ids(8, "refused"))
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        eng.generate([[doc, [5]]], PARAMS, reuse="blend")
+    ok = engine(tiny_ckpt, "qwen3", 4)
+    doc = ok.register_chunk(seeded_ids(8, "refused"))
+    with pytest.raises(ValueError, match=r"chunk_sizes=\[4, 5\]"):
+        ok.generate([[doc, [5]]], PARAMS, chunk_sizes=[[4, 5]], reuse="blend")
+    with pytest.raises(ValueError, match="1.5"):
+        ok.generate([[doc, [5]]], PARAMS, reuse=Blend(1.5))
+    with pytest.raises(ValueError, match="'nearest'"):
+        ok.generate([[doc, [5]]], PARAMS, reuse=Blend(0.2, "nearest"))
+    assert not eng.has_unfinished() and not ok.has_unfinished()
+    assert ok.page_pool.num_free_pages == ok.page_pool.num_pages
+
+
+def test_an_evicted_chunk_is_recomputed_and_the_output_is_exact(tiny_ckpt):
+    eng = engine(tiny_ckpt, "qwen3", 4, num_pages=12)
+    doc = eng.register_chunk(seeded_ids(16, "evicted"))
+    eng.generate([seeded_ids(40, "pressure")], PARAMS)   # takes every page: the chunk's cached pages go
+    prompt = [[7, 8], doc, [9]]
+    out = eng.generate([prompt], PARAMS, reuse=Blend(0.0))[0]
+    assert out.chunk_reuse[1].recomputed == 16 and out.chunk_reuse[1].blended == 0
+    assert out.token_ids == eng.generate([concat(prompt)], PARAMS)[0].token_ids
