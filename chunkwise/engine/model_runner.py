@@ -260,6 +260,12 @@ class ModelRunner:
                 for d in (0, 1, 16, 17):
                     if chunks or d:
                         self.model.forward(self._upload(synthetic_step(chunks, d)), self.kv.layers)
+                if chunks and self.tp is None:   # blended prefills: explicit positions, K/V placed (in place here)
+                    inp = self._upload(synthetic_step(chunks, 0))
+                    slots = torch.arange(len(inp.input_ids), device=self.device)
+                    inp.blend = BlendInputs(slots, slots, torch.zeros_like(slots), torch.zeros_like(slots, dtype=bool),
+                                            {})
+                    self.model.forward(inp, self.kv.layers)
         torch.cuda.synchronize(self.device)
 
     def _above_custom_all_reduce(self) -> list[list[int]]:
