@@ -16,5 +16,7 @@ def test_attention_kernels_compile_for_hopper_and_fit_its_shared_memory():
     assert proc.returncode == 0, f"compiling for sm_90 failed:\n{proc.stderr[-4000:]}"
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert {r["kernel"] for r in rows} == {"_paged_attention_kernel", "_split_kernel", "_shared_split_kernel"}
-    # The launcher took its Hopper tiles (the interpreter's 128 rows would not prove them).
-    assert [r["BLOCK_M"] for r in rows if r["kernel"] == "_paged_attention_kernel"] == [256]
+    # The launcher took its Hopper tiles (the interpreter's 128 rows would not prove them), with implicit positions
+    # and with explicit ones.
+    assert [(r["BLOCK_M"], r["EXPLICIT_POSITIONS"]) for r in rows if r["kernel"] == "_paged_attention_kernel"] == [
+        (256, False), (256, True)]

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from chunkwise.kernels import (cascade_decode, cascade_groups, cascade_item_size, paged_attention, paged_attention_ref,
-                     split_kv_decode, split_kv_decode_ref)
+                     relocate_kv, relocate_kv_ref, split_kv_decode, split_kv_decode_ref)
 from chunkwise.kernels.testing import paginate, query_start_loc, random_kv
+from chunkwise.model_config import RopeConfig
+from chunkwise.reference.model import rotate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.correctness]
 
@@ -26,10 +28,10 @@ def _rel_err(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def _attend(fn, cache, q, q_lens, seq_lens, scale, window=None):
+def _attend(fn, cache, q, q_lens, seq_lens, scale, window=None, positions=None):
     seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=q.device)
     return fn(q, cache.k_cache, cache.v_cache, cache.page_tables, seq_lens, query_start_loc(q_lens, q.device),
-              scale, sliding_window=window, out=torch.full_like(q, float("nan")))
+              scale, sliding_window=window, out=torch.full_like(q, float("nan")), positions=positions)
 
 
 def _mixed_batch(num_heads, num_kv_heads, head_dim, dtype, seqs, page_size, seed):
@@ -153,3 +155,64 @@ def test_split_kv_merge_is_race_free_and_cascade_is_bitwise_split_kv_at_producti
     assert all(torch.equal(c, runs[0]) for c in cascades)
     ref = split_kv_decode_ref(q.float(), *args[1:], 128 ** -0.5, sliding_window=window)
     assert _rel_err(runs[0], ref) < REL_BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 1000])
+def test_explicit_positions_match_reference_and_the_whole_pass_bitwise_32q_8kv_d128(dtype, window):
+    """A blend's recomputed rows: 15% of three documents' positions (6144, 3000 and 700 tokens) plus each one's
+    last, scattered over many query blocks: against the reference, and bitwise the rows of a whole-sequence pass
+    with implicit positions."""
+    gen = torch.Generator().manual_seed(7)
+    lengths = [6144, 3000, 700]
+    kvs = [random_kv(n, 8, 128, dtype, gen, "cuda") for n in lengths]
+    cache = paginate(kvs, 16, gen)
+    qs = [torch.randn(n, 32, 128, generator=gen).to(dtype).cuda() for n in lengths]
+    subsets = [torch.cat([torch.randperm(n - 1, generator=gen)[:int(0.15 * n)].sort().values, torch.tensor([n - 1])])
+               for n in lengths]
+    q = torch.cat([x[rows.cuda()] for x, rows in zip(qs, subsets)])
+    positions = torch.cat(subsets).cuda()
+    q_lens = [len(rows) for rows in subsets]
+
+    out = _attend(paged_attention, cache, q, q_lens, lengths, 128 ** -0.5, window, positions)
+    ref = _attend(paged_attention_ref, cache, q.float(), q_lens, lengths, 128 ** -0.5, window, positions)
+    whole = _attend(paged_attention, cache, torch.cat(qs), lengths, lengths, 128 ** -0.5, window)
+
+    assert _rel_err(out, ref) < REL_BOUND[dtype]
+    starts = [0, lengths[0], lengths[0] + lengths[1]]
+    assert torch.equal(out, torch.cat([whole[start + rows.cuda()] for start, rows in zip(starts, subsets)]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_relocate_kv_equals_its_twin_bitwise_and_composes_rotations(dtype):
+    """20000 of a 65536-slot cache's K/V (8 kv heads, d128) moved by up to 32768 positions: bitwise the twin's,
+    V bit for bit, other slots untouched; and in float32 a key rotated to p and moved by delta is the key rotated
+    to p + delta (the reference model's rotation), within float32's rounding of the angles."""
+    gen = torch.Generator().manual_seed(8)
+    n, shape = 20000, (4096, 16, 8, 128)
+    k = torch.randn(shape, generator=gen).to(dtype).cuda()
+    v = torch.randn(shape, generator=gen).to(dtype).cuda()
+    slots = torch.randperm(4096 * 16, generator=gen)[:2 * n].cuda()
+    src, dst = slots[:n].clone(), slots[n:].clone()
+    deltas = torch.randint(0, 32768, (n,), generator=gen).cuda()
+    inv_freq = RopeConfig(1e6).inv_freq(128).cuda()
+    k_out, v_out, k_ref, v_ref = k.clone(), v.clone(), k.clone(), v.clone()
+    relocate_kv(k_out, v_out, src, dst, deltas, inv_freq)
+    relocate_kv_ref(k_ref, v_ref, src, dst, deltas, inv_freq)
+    assert torch.equal(k_out, k_ref) and torch.equal(v_out, v_ref)
+    assert torch.equal(v_out.view(-1, 8, 128)[dst], v.view(-1, 8, 128)[src])
+    untouched = torch.ones(4096 * 16, dtype=torch.bool, device="cuda")
+    untouched[dst] = False
+    assert torch.equal(k_out.view(-1, 8, 128)[untouched], k.view(-1, 8, 128)[untouched])
+
+    if dtype == torch.float32:
+        p = torch.randint(0, 32768, (n,), generator=gen).cuda()
+        key = torch.randn(n, 8, 128, generator=gen).cuda()
+        k_out.view(-1, 8, 128)[src] = rotate(key.transpose(0, 1), p, inv_freq).transpose(0, 1)
+        relocate_kv(k_out, v_out, src, dst, deltas, inv_freq)
+        expected = rotate(key.transpose(0, 1), p + deltas, inv_freq).transpose(0, 1)
+        max_angle = ((p + deltas).max() * inv_freq.max()).item()
+        pair = (key[..., :64] ** 2 + key[..., 64:] ** 2).sqrt().max().item()
+        eps = torch.finfo(torch.float32).eps
+        torch.testing.assert_close(k_out.view(-1, 8, 128)[dst], expected, rtol=0,
+                                   atol=pair * eps * (1.5 * max_angle + 8))
