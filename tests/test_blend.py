@@ -191,3 +191,21 @@ def test_an_evicted_chunk_is_recomputed_and_the_output_is_exact(tiny_ckpt):
     out = eng.generate([prompt], PARAMS, reuse=Blend(0.0))[0]
     assert out.chunk_reuse[1].recomputed == 16 and out.chunk_reuse[1].blended == 0
     assert out.token_ids == eng.generate([concat(prompt)], PARAMS)[0].token_ids
+
+
+def test_blended_prefills_join_overlapped_decodes_and_every_request_gets_its_own_tokens(tiny_ckpt):
+    eng = engine(tiny_ckpt, "qwen3", 4, async_scheduling=True, split_kv_threshold=0)
+    rng = random.Random("overlap")
+    docs = [eng.register_chunk(seeded_ids(24, ("overlap", i)), pin=True) for i in range(5)]
+    plain = [seeded_ids(n, ("plain", n)) for n in (20, 30)]
+    blended = [rng.sample(docs, 3) + [[5, 6, 7]] for _ in range(3)]
+    alone = [eng.generate([p], PARAMS)[0].token_ids for p in plain]
+    alone += [eng.generate([b], PARAMS, reuse=Blend(0.3))[0].token_ids for b in blended]
+    ids = [eng.add_request(p, PARAMS) for p in plain]
+    eng.step()
+    eng.step()   # the plain requests decode, their next tokens pending on the device, as blended prefills arrive
+    ids += [eng.add_request(b, PARAMS, reuse=Blend(0.3)) for b in blended]
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o.output for o in eng.step() if o.finished})
+    assert [done[i].token_ids for i in ids] == alone, [done[i].error for i in ids]

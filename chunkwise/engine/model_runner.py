@@ -124,7 +124,7 @@ class ModelRunner:
                         seq_lens=(start + n).astype(np.int32), query_start_loc=np.concatenate(
                             ([0], ends[:len(prefill)])).astype(np.int32), num_prefill=len(prefill),
                         cascade=self._cascade(rows[len(prefill):], start[len(prefill):] + 1),
-                        pending=(final - 1)[pending], pending_src=src, blend=blend,
+                        pending=(ends - 1)[pending], pending_src=src, blend=blend,
                         needs_logits=any(s.sampling_params.needs_logits for s, _, keep, _ in entries if keep),
                         page_changes=batch.page_changes)
         return host, [e[0] for e in entries if e[2]]
