@@ -66,21 +66,6 @@ def check_subset_rows(heads, head_dim, dtype, window, page_size, lengths, subset
     assert not differs, f"rows {differs[:8]} (positions {positions[differs[:8]].tolist()}) differ from the whole pass"
 
 
-@given(data=st.data())
-@settings(max_examples=3 * settings.default.max_examples)
-def test_explicit_positions_match_reference_and_the_implicit_pass_bitwise(data, device):
-    heads = data.draw(st.sampled_from(HEADS), label="heads")
-    head_dim = data.draw(st.sampled_from([64, 80]), label="head_dim")
-    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
-    window = data.draw(st.none() | st.integers(1, 80), label="window")
-    page_size = data.draw(st.integers(1, 64), label="page_size")
-    lengths = data.draw(st.lists(st.integers(1, 150), min_size=1, max_size=3), label="lengths")
-    subsets = [_subset(data, n, f"rows of sequence {s}") for s, n in enumerate(lengths)]
-    rising = data.draw(st.booleans(), label="rising")
-    seed = data.draw(st.integers(0, 2**16), label="seed")
-    check_subset_rows(heads, head_dim, dtype, window, page_size, lengths, subsets, rising, seed, device)
-
-
 # Rows far apart in one query block (its KV loop must reach the last row's tile and start at the first row's window),
 # a sequence with no row between two with rows, GQA and MQA groups, a window, pages not dividing the tile,
 # and scores rising over several tiles (every tile rescales).
@@ -96,9 +81,25 @@ PINNED_SUBSET_CASES = [
 ]
 
 
+# Before the drawn cases: under -x a bug fails here first, not after Hypothesis shrinks a drawn failure.
 @pytest.mark.parametrize("case", PINNED_SUBSET_CASES)
 def test_explicit_positions_match_reference_and_the_implicit_pass_bitwise_in_pinned_cases(case, device):
     check_subset_rows(**case, device=device)
+
+
+@given(data=st.data())
+@settings(max_examples=3 * settings.default.max_examples)
+def test_explicit_positions_match_reference_and_the_implicit_pass_bitwise(data, device):
+    heads = data.draw(st.sampled_from(HEADS), label="heads")
+    head_dim = data.draw(st.sampled_from([64, 80]), label="head_dim")
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    window = data.draw(st.none() | st.integers(1, 80), label="window")
+    page_size = data.draw(st.integers(1, 64), label="page_size")
+    lengths = data.draw(st.lists(st.integers(1, 150), min_size=1, max_size=3), label="lengths")
+    subsets = [_subset(data, n, f"rows of sequence {s}") for s, n in enumerate(lengths)]
+    rising = data.draw(st.booleans(), label="rising")
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    check_subset_rows(heads, head_dim, dtype, window, page_size, lengths, subsets, rising, seed, device)
 
 
 @pytest.mark.parametrize("heads, dtype, window, page_size", [

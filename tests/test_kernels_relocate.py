@@ -25,6 +25,12 @@ def _bits(t):
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
+def _pair_lengths(x):
+    """float32 [..., head_dim // 2]: the length of each (x1, x2) pair that half-split RoPE rotates."""
+    half = x.shape[-1] // 2
+    return (x[..., :half].float() ** 2 + x[..., half:].float() ** 2).sqrt()
+
+
 def _case(dtype, num_pages, page_size, kv_heads, head_dim, n, max_delta, gen, device):
     """A random cache and n relocations between disjoint random slots (deltas of either sign)."""
     shape = (num_pages, page_size, kv_heads, head_dim)
@@ -58,16 +64,16 @@ def test_relocate_kv_equals_its_twin_bitwise_copies_v_and_leaves_other_slots_alo
 
     assert torch.equal(_bits(k_out), _bits(k_ref)), "K differs from the twin's"
     assert torch.equal(_bits(v_out), _bits(v_ref)), "V differs from the twin's"
-    flat = lambda t: t.view(-1, kv_heads, head_dim)   # noqa: E731
+    def flat(t):   # [num_slots, kv_heads, head_dim]
+        return t.view(-1, kv_heads, head_dim)
+
     assert torch.equal(_bits(flat(v_out)[dst]), _bits(flat(v)[src])), "V was not copied bit for bit"
     untouched = torch.ones(num_pages * page_size, dtype=torch.bool, device=device)
     untouched[dst] = False
     assert torch.equal(_bits(flat(k_out)[untouched]), _bits(flat(k)[untouched])), "a K slot not named changed"
     assert torch.equal(_bits(flat(v_out)[untouched]), _bits(flat(v)[untouched])), "a V slot not named changed"
     # K's rotation keeps each (x1, x2) pair's length, up to the dtype's rounding of the result
-    half = head_dim // 2
-    norm = lambda x: (x[..., :half].float() ** 2 + x[..., half:].float() ** 2).sqrt()   # noqa: E731
-    torch.testing.assert_close(norm(flat(k_out)[dst]), norm(flat(k)[src]), atol=1e-5,
+    torch.testing.assert_close(_pair_lengths(flat(k_out)[dst]), _pair_lengths(flat(k)[src]), atol=1e-5,
                                rtol=2 * torch.finfo(dtype).eps)
 
 
@@ -98,7 +104,7 @@ def test_relocating_a_rotated_key_by_delta_rotates_it_to_its_new_position(head_d
     expected = rotate(k.transpose(0, 1), p + delta, inv_freq).transpose(0, 1)
     eps = torch.finfo(torch.float32).eps
     max_angle = ((p + delta).max() * inv_freq.max()).item()
-    pair = (k[..., :head_dim // 2] ** 2 + k[..., head_dim // 2:] ** 2).sqrt().max().item()
+    pair = _pair_lengths(k).max().item()
     torch.testing.assert_close(moved, expected, rtol=0, atol=pair * eps * (1.5 * max_angle + 8))
 
 
