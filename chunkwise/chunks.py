@@ -9,7 +9,8 @@ side; a BOS or chat-template ids go in an id piece or a chunk of their own.
 
 `reuse` says how a request may reuse cached K/V: "exact" (the default; only through the prefix cache, so the
 output equals generating the concatenated ids), or "blend" (== `Blend()`) or a `Blend`: CacheBlend-style
-composition of chunks' own K/V at any position, recomputing a share of the tokens (issue #28 §3). `ChunkReuse` reports, per piece, what the cache supplied.
+composition of chunks' own K/V at any position, recomputing a share of the tokens (issue #28 §3).
+`ChunkReuse` reports, per piece, what the cache supplied.
 """
 from __future__ import annotations
 
