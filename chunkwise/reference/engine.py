@@ -4,18 +4,22 @@ Each generated token costs a full forward pass over the prompt and every token g
 and obviously free of cache bugs. It takes the same `EngineConfig` fields as the optimized engine and
 validates them alike; the paging and batching ones (`REFERENCE_IGNORED`: page_size, num_pages, ...) and
 `chunk_sizes` are then ignored, since there are no pages and no chunks here. Registered chunks are handles
-only: every prompt, composite or not, is recomputed in full, and its `chunk_reuse` says so.
+only: in exact mode every prompt, composite or not, is recomputed in full, and its `chunk_reuse` says so. In
+blend mode (reuse="blend" or a Blend) the prompt's cache is built by chunkwise/reference/blend.py from the
+chunks' isolated K/V (computed on demand and kept per chunk: they depend on its ids only), and generated
+tokens are decoded over that cache with `ReferenceModel.extend`, recomputing the generated ones each step.
 """
 from __future__ import annotations
 
 import torch
 
-from chunkwise.chunks import Chunk, ChunkRegistry, reuse_report
+from chunkwise.chunks import Blend, Chunk, ChunkRegistry, reuse_report
 from chunkwise.engine_config import REFERENCE_IGNORED, EngineConfig
 from chunkwise.requests import single_prompt, validate_requests
 from chunkwise.sampling import RequestOutput, SamplingParams, make_generator, sample, token_logprobs
 from chunkwise.tokenizer import decode, load_tokenizer
 from chunkwise.weights import load_weights
+from chunkwise.reference.blend import BlendResult, blend_prefill
 from chunkwise.reference.model import ReferenceModel
 
 
@@ -30,6 +34,7 @@ class Engine:
         weights = load_weights(config.path, self.dtype, self.device, cfg=self.model_config)
         self.model = ReferenceModel(self.model_config, weights)
         self.chunks = ChunkRegistry("chunkwise.reference.Engine")
+        self.isolated_kv: dict[Chunk, tuple[torch.Tensor, torch.Tensor]] = {}   # blend mode's, per chunk
 
     def register_chunk(self, prompt, pin: bool = False) -> Chunk:
         """A handle to `prompt` (text, tokenized without special tokens, or token ids) for composite prompts;
@@ -57,16 +62,34 @@ class Engine:
                  reuse="exact") -> list[RequestOutput]:
         """One output per prompt, in order; `use_tqdm` is accepted for interface parity (no progress bar)."""
         requests = self._requests(prompts, sampling_params, chunk_sizes, reuse)
-        return [self._generate_one(i, r.prompt_token_ids, r.params, r.pieces) for i, r in enumerate(requests)]
+        return [self._generate_one(i, r.prompt_token_ids, r.params, r.pieces, r.reuse)
+                for i, r in enumerate(requests)]
+
+    def _isolated(self, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chunk's K/V computed alone at positions 0..n-1, each [layers, n, K, D]."""
+        if chunk not in self.isolated_kv:
+            self.isolated_kv[chunk] = self.model.forward(torch.tensor(chunk.token_ids, device=self.device))[1:]
+        return self.isolated_kv[chunk]
+
+    def _blend(self, prompt: list[int], pieces, blend: Blend) -> BlendResult:
+        return blend_prefill(self.model, prompt, pieces, blend, isolated=self._isolated)
 
     def _generate_one(self, request_id: int, prompt: list[int], params: SamplingParams,
-                      pieces=None) -> RequestOutput:
+                      pieces=None, reuse="exact") -> RequestOutput:
+        blended = self._blend(prompt, pieces, reuse) if isinstance(reuse, Blend) else None
         out = RequestOutput(request_id, list(prompt), logprobs=[] if params.logprobs is not None else None,
-                            chunk_reuse=reuse_report(pieces, 0))
+                            chunk_reuse=reuse_report(pieces, 0) if blended is None or pieces is None
+                            else blended.chunk_reuse)
         generator = make_generator(params, self.device)
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.model_config.eos_token_ids))
         while out.finish_reason is None:
-            row = self.logits(prompt + out.token_ids)[-1]
+            if blended is None:
+                row = self.logits(prompt + out.token_ids)[-1]
+            elif not out.token_ids:
+                row = blended.logits
+            else:   # the generated tokens, recomputed over the blended prompt cache
+                row = self.model.extend(torch.tensor(out.token_ids, device=self.device), len(prompt), blended.k,
+                                        blended.v)[0][-1]
             token = sample(row, params, generator)
             out.token_ids.append(token)
             if out.logprobs is not None:
@@ -82,5 +105,8 @@ class Engine:
         """K and V of every layer for one prompt as a cache would hold them (after k-norm and RoPE):
         each [num_layers, num_tokens, num_kv_heads, head_dim] in the engine's dtype."""
         request = self._requests(single_prompt(prompt), SamplingParams(max_tokens=1), [chunk_sizes], reuse)[0]
+        if isinstance(request.reuse, Blend):
+            blended = self._blend(request.prompt_token_ids, request.pieces, request.reuse)
+            return blended.k, blended.v
         _, k, v = self.model.forward(torch.tensor(request.prompt_token_ids, device=self.device))
         return k, v

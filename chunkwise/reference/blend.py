@@ -1,0 +1,146 @@
+"""Blend mode in plain PyTorch over dense K/V: the oracle of issue #28 §3's algorithm.
+
+A composite prompt's chunk pieces reuse their *isolated* K/V (each chunk computed alone, at positions 0..n-1)
+moved to their positions in the prompt (K re-rotated by the offset, V unchanged); a share of their tokens is
+recomputed, layer by layer, over a cache mixing fresh and moved K/V:
+
+- rows below `c0` (the leading run the fast engine's prefix cache supplies exactly) hold exact K/V and are
+  never computed;
+- candidates (chunk tokens at positions >= c0, but the prompt's last token) are computed or not per layer by
+  the policy; fixed rows (every other position >= c0) are computed at every layer;
+- "chunk-heads" computes the first floor(r * len + 0.5) tokens of every chunk piece at every layer;
+- "kv-deviation" computes every row at layer 0 and, at check layers 1..C (C = min(3, layers - 1)), keeps the
+  k(r_l) candidates whose fresh K/V deviate most from their moved ones (r_l = min(1, r (1 + (C - l) / C)), ties
+  to the lower position); only kept rows attend and go on. r = 0 computes no candidate at all.
+
+A computed row at position p attends to every position <= p (within the window) of the cache as it stands at
+that layer: fresh K/V where computed there, moved ones otherwise. r = 1 (either policy) recomputes [c0, L)
+whole: exact mode's output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from chunkwise.chunks import Blend, ChunkReuse, Piece
+from chunkwise.reference.model import ReferenceModel, rotate
+
+
+@dataclass(frozen=True)
+class BlendResult:
+    logits: torch.Tensor                  # float32 [vocab]: the prompt's last row, for the first generated token
+    k: torch.Tensor                       # [layers, L, K, D] the blended cache, in the model dtype
+    v: torch.Tensor                       # [layers, L, K, D]
+    chunk_reuse: tuple[ChunkReuse, ...]   # per piece
+
+
+def num_kept(ratio: float, n: int) -> int:
+    """k(ratio) = min(n, floor(ratio * n + 0.5))."""
+    return min(n, int(ratio * n + 0.5))
+
+
+def check_layers(num_layers: int) -> int:
+    """C: the layers after layer 0 where kv-deviation filters its candidates."""
+    return min(3, num_layers - 1)
+
+
+def check_ratio(ratio: float, layer: int, num_checks: int) -> float:
+    """r_l = min(1, r * (1 + (C - l) / C)) at check layer l in 1..C: 1.67r, 1.33r, r for C = 3."""
+    return min(1.0, ratio * (1 + (num_checks - layer) / num_checks))
+
+
+def top_candidates(deviation: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+    """The positions [k] (ascending) of the k largest deviations; ties go to the lower position.
+    deviation float32 [n], positions int64 [n] ascending."""
+    order = torch.sort(deviation, descending=True, stable=True).indices   # stable: equal values keep position order
+    return torch.sort(positions[order[:k]]).values
+
+
+def placed_kv(model: ReferenceModel, k: torch.Tensor, v: torch.Tensor, start: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's isolated k, v [layers, n, K, D] moved to positions start..: K rotated by `start` with each
+    layer's RoPE frequencies, V unchanged."""
+    cfg = model.cfg
+    delta = torch.full((k.shape[1],), start, dtype=torch.int64, device=k.device)
+    moved = [rotate(k[i].transpose(0, 1), delta, model.inv_freq[cfg.layer_types[i]]).transpose(0, 1)
+             for i in range(cfg.num_layers)]
+    return torch.stack(moved), v
+
+
+@torch.inference_mode()
+def blend_prefill(model: ReferenceModel, token_ids: list[int], pieces: tuple[Piece, ...] | None, blend: Blend,
+                  c0: int = 0, isolated=None) -> BlendResult:
+    """The blended cache of a prompt (`pieces` as chunkwise.chunks.Piece, None for a plain prompt: nothing to
+    blend) and its last row's logits. `c0`: the leading tokens whose K/V are exact (a prefix-cache hit), in
+    [0, L - 1]. `isolated(chunk)` -> (k, v) [layers, n, K, D] of the chunk alone, default `model.forward` on
+    its ids (an engine may pass a memo: they depend on the chunk's ids only)."""
+    cfg, n_tokens = model.cfg, len(token_ids)
+    if not 0 <= c0 < n_tokens:
+        raise ValueError(f"c0={c0!r} must be in [0, {n_tokens - 1}] for a prompt of {n_tokens} tokens")
+    if not isinstance(blend, Blend):
+        raise TypeError(f"blend must be a Blend, got {type(blend).__name__} {blend!r:.80}")
+    device = model.w["model.embed_tokens.weight"].device
+    if isolated is None:
+        def isolated(chunk):
+            return model.forward(torch.tensor(chunk.token_ids, device=device))[1:]
+    ids = torch.tensor(token_ids, device=device)
+    pieces = pieces if pieces is not None else (Piece(None, n_tokens),)
+    r = float(blend.recompute_ratio)
+
+    # The cache at layer i starts as the moved chunks' K/V and the exact prefix's; computed rows overwrite it.
+    shape = (cfg.num_layers, n_tokens, cfg.num_kv_heads, cfg.head_dim)
+    k_cache = torch.zeros(shape, dtype=model.dtype, device=device)
+    v_cache = torch.zeros(shape, dtype=model.dtype, device=device)
+    candidate = torch.zeros(n_tokens, dtype=torch.bool, device=device)     # [L]
+    heads = torch.zeros(n_tokens, dtype=torch.bool, device=device)         # [L] chunk-heads' selection
+    start = 0
+    for piece in pieces:
+        end = start + piece.num_tokens
+        if piece.chunk is not None:
+            k_iso, v_iso = isolated(piece.chunk)
+            k_cache[:, start:end], v_cache[:, start:end] = placed_kv(model, k_iso, v_iso, start)
+            candidate[max(start, c0):end] = True
+            heads[start:start + num_kept(r, piece.num_tokens)] = True
+        start = end
+    candidate[n_tokens - 1] = False
+    if c0:
+        _, k_cache[:, :c0], v_cache[:, :c0] = model.forward(ids[:c0])
+    placed_k, placed_v = k_cache.clone(), v_cache.clone()
+
+    fixed = torch.zeros(n_tokens, dtype=torch.bool, device=device)
+    fixed[c0:] = ~candidate[c0:]
+    if blend.policy == "chunk-heads":
+        kept = candidate & heads
+    elif r == 0:
+        kept = torch.zeros_like(candidate)
+    else:
+        kept = candidate.clone()
+    num_checks = check_layers(cfg.num_layers) if blend.policy == "kv-deviation" and r > 0 else 0
+
+    x = model.embed(ids)                                                   # [L, hidden]; computed rows only
+    for layer in range(cfg.num_layers):
+        rows = torch.nonzero(fixed | kept).squeeze(1)                      # int64 [S] ascending
+        q, k, v = model.layer_qkv(x[rows], layer, rows)                    # q [H, S, D], k, v [K, S, D]
+        k_cache[layer, rows], v_cache[layer, rows] = k.transpose(0, 1), v.transpose(0, 1)
+        if 1 <= layer <= num_checks:
+            cand = torch.nonzero(kept).squeeze(1)                          # [n_kept] ascending
+            dev = ((k_cache[layer, cand].float() - placed_k[layer, cand].float()) ** 2).sum((1, 2)) + \
+                  ((v_cache[layer, cand].float() - placed_v[layer, cand].float()) ** 2).sum((1, 2))
+            keep = num_kept(check_ratio(r, layer, num_checks), int(candidate.sum()))
+            kept = torch.zeros_like(kept)
+            kept[top_candidates(dev, cand, min(keep, cand.numel()))] = True
+            attending = (fixed | kept)[rows]                               # [S] which computed rows go on
+            rows, q = rows[attending], q[:, attending]
+        x[rows] = model.attend_rows(x[rows], q, k_cache[layer].transpose(0, 1), v_cache[layer].transpose(0, 1),
+                                    layer, rows)
+
+    recomputed = fixed | kept
+    report, start = [], 0
+    for piece in pieces:
+        end = start + piece.num_tokens
+        exact = max(0, min(end, c0) - start)
+        done = int(recomputed[start:end].sum())
+        report.append(ChunkReuse(piece.chunk, piece.num_tokens, exact, piece.num_tokens - exact - done, done))
+        start = end
+    return BlendResult(model.logits(x[n_tokens - 1:])[0], k_cache, v_cache, tuple(report))
