@@ -7,7 +7,7 @@ validates them alike; the paging and batching ones (`REFERENCE_IGNORED`: page_si
 only: in exact mode every prompt, composite or not, is recomputed in full, and its `chunk_reuse` says so. In
 blend mode (reuse="blend" or a Blend) the prompt's cache is built by chunkwise/reference/blend.py from the
 chunks' isolated K/V (computed on demand and kept per chunk: they depend on its ids only), and generated
-tokens are decoded over that cache with `ReferenceModel.extend`, recomputing the generated ones each step.
+tokens are decoded over that cache with `ReferenceModel.extend`, one token a step.
 """
 from __future__ import annotations
 
@@ -82,14 +82,16 @@ class Engine:
                             else blended.chunk_reuse)
         generator = make_generator(params, self.device)
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.model_config.eos_token_ids))
+        cache = None if blended is None else (blended.k, blended.v)   # blend mode: the prompt's, then the tokens'
         while out.finish_reason is None:
             if blended is None:
                 row = self.logits(prompt + out.token_ids)[-1]
             elif not out.token_ids:
                 row = blended.logits
-            else:   # the generated tokens, recomputed over the blended prompt cache
-                row = self.model.extend(torch.tensor(out.token_ids, device=self.device), len(prompt), blended.k,
-                                        blended.v)[0][-1]
+            else:   # the last token after the blended prompt's cache and the generated tokens' K/V
+                logits, *cache = self.model.extend(torch.tensor(out.token_ids[-1:], device=self.device),
+                                                   len(prompt) + len(out.token_ids) - 1, *cache)
+                row = logits[-1]
             token = sample(row, params, generator)
             out.token_ids.append(token)
             if out.logprobs is not None:
