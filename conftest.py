@@ -47,6 +47,10 @@ def _is_benchmark(config, item) -> bool:
 # first. They run first in any selection, so under -x most bugs fail in the first minute (their pinned examples
 # take about 65 s on one core); `-m smoke` runs them alone, as scripts/mutants.py --smoke-only does.
 SMOKE = (
+    # blend mode's two planted bugs die here in seconds: a wrong re-rotation, rows attending past their position
+    "tests/test_kernels_relocate.py::test_relocating_a_rotated_key_by_delta_rotates_it_to_its_new_position",
+    "tests/test_kernels_positions.py::test_explicit_positions_match_reference_and_the_implicit_pass_bitwise_in_pinned_cases",
+    "tests/test_blend.py::test_a_token_not_recomputed_carries_its_chunks_own_kv_with_k_rotated_to_its_new_position",
     # whole files of unit tests against outside oracles (transformers' configs, warpers and models), milliseconds each
     "tests/test_config.py",
     "tests/test_sampling.py",
@@ -63,6 +67,9 @@ SMOKE = (
     "tests/test_page_pool.py",
     "tests/test_chunks.py::test_a_pinned_system_chunk_is_reused_exactly_after_pressure_and_a_document_after_it",
     "tests/test_chunks.py::test_the_pin_cap_counts_pages_once_and_a_pin_leaving_a_queued_request_no_room_is_refused",
+    "tests/test_blend.py::test_blended_kv_and_tokens_equal_the_reference_engines_blend",
+    "tests/test_blend.py::test_a_blended_requests_pages_never_serve_an_exact_request",
+    "tests/test_blend.py::test_blended_prefills_join_overlapped_decodes_and_every_request_gets_its_own_tokens",
     "tests/test_scheduler.py::test_every_request_produces_what_it_produces_alone",
     "tests/test_kernels_fused.py::test_rms_norm_matches_reference_with_and_without_residual",
     "tests/test_kernels_fused.py::test_rope_store_matches_reference_and_skips_padding_slots",

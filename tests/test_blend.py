@@ -4,8 +4,9 @@ their tokens recomputed.
 Its promises, each tested here: at recompute ratio 1 it is a full recompute, bit for bit exact mode's in
 deterministic mode (the anchor tying it to the harness); a token not recomputed carries its chunk's own K/V, K
 rotated to its new position; a blended request's approximate pages never serve another request as exact ones;
-`chunk_reuse` counts what each policy recomputed; batch-mates keep their bits; a config that cannot blend is
-refused by name with nothing leaked. Four-layer tiny models, so that check layers (1..3) differ from a full
+`chunk_reuse` counts what each policy recomputed; at any ratio and policy the K/V and tokens equal the reference
+engine's blend (chunkwise/reference/blend.py, dense PyTorch, the algorithm's oracle); batch-mates keep their bits;
+a config that cannot blend is refused by name with nothing leaked. Four-layer tiny models, so that check layers (1..3) differ from a full
 recompute (with two layers every K/V is fresh by layer 1).
 """
 from __future__ import annotations
@@ -14,13 +15,14 @@ import random
 
 import pytest
 import torch
-from hypothesis import given, note, settings
+from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from chunkwise.chunks import Blend, Chunk
 from chunkwise.engine import Engine, SamplingParams
 from chunkwise.engine.blend import check_ratios, num_kept
+from chunkwise.reference import Engine as RefEngine
 from chunkwise.reference.model import rotate
 
 pytestmark = pytest.mark.correctness
@@ -28,7 +30,7 @@ pytestmark = pytest.mark.correctness
 LAYERS = 4
 PARAMS = SamplingParams(max_tokens=3, ignore_eos=True)
 FAMILIES = ("qwen3", "gemma3_text", "llama", "mistral")   # q/k-norm, sliding + global RoPE, GQA, sliding window
-_engines: dict[tuple, Engine] = {}
+_engines: dict[tuple, Engine | RefEngine] = {}
 
 
 def engine(tiny_ckpt, family: str, page_size: int, dtype: str = "float32", **kw) -> Engine:
@@ -39,6 +41,19 @@ def engine(tiny_ckpt, family: str, page_size: int, dtype: str = "float32", **kw)
                                page_size=page_size, num_pages=kw.pop("num_pages", 400), max_model_len=192,
                                deterministic=True, **kw)
     return _engines[key]
+
+
+def reference(tiny_ckpt, family: str, page_size: int) -> RefEngine:
+    """The reference engine of `engine`'s checkpoint; page_size says which tokens of a chunk the fast one stores."""
+    key = "reference", family, page_size
+    if key not in _engines:
+        _engines[key] = RefEngine(str(tiny_ckpt(family, num_hidden_layers=LAYERS)), dtype="float32", device="cpu",
+                                  page_size=page_size)
+    return _engines[key]
+
+
+def counts(r) -> tuple[int, int, int, int]:
+    return r.num_tokens, r.exact, r.blended, r.recomputed
 
 
 def seeded_ids(length: int, seed) -> list[int]:
@@ -86,6 +101,34 @@ def test_blend_at_ratio_one_is_bitwise_exact_mode_in_deterministic_mode(tiny_ckp
     assert torch.equal(k_b, k_e) and torch.equal(v_b, v_e)
     assert out_b.token_ids == out_e.token_ids
     assert all(r.blended == 0 for r in out_b.chunk_reuse), out_b.chunk_reuse
+
+
+PINNED_LAYOUT = ((13, 9, 17), [("chunk", 1), ("text", [5, 6]), ("chunk", 0), ("chunk", 2), ("text", [7, 8, 9])])
+
+
+@settings(max_examples=8)
+@example(family="qwen3", page_size=4, comp=PINNED_LAYOUT, blend=Blend(0.3, "chunk-heads"), seed=1)
+@example(family="llama", page_size=2, comp=PINNED_LAYOUT, blend=Blend(0.3), seed=2)
+@example(family="gemma3_text", page_size=1, comp=PINNED_LAYOUT, blend=Blend(0.1), seed=3)
+@given(family=st.sampled_from(FAMILIES), page_size=st.sampled_from([1, 2, 4, 8]), comp=compositions(),
+       blend=st.builds(Blend, st.sampled_from([0.0, 0.1, 0.3, 0.6]), st.sampled_from(["kv-deviation", "chunk-heads"])),
+       seed=st.integers(0, 10**6))
+def test_blended_kv_and_tokens_equal_the_reference_engines_blend(tiny_ckpt, family, page_size, comp, blend, seed):
+    eng = engine(tiny_ckpt, family, page_size)
+    ref = reference(tiny_ckpt, family, page_size)
+    lengths, layout = comp
+    fresh = seeded_ids(3, ("opening", seed))   # no prefix-cache hit: both engines blend from position 0
+    prompt = [fresh] + build(eng, lengths, layout, seed)
+    ref_prompt = [fresh] + build(ref, lengths, layout, seed)
+    note(f"prompt {prompt}")
+    k, v = eng.prefill_kv(prompt, reuse=blend)
+    k_ref, v_ref = ref.prefill_kv(ref_prompt, reuse=blend)
+    torch.testing.assert_close(k, k_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(v, v_ref, atol=1e-4, rtol=1e-4)
+    out = eng.generate([prompt], PARAMS, reuse=blend)[0]
+    out_ref = ref.generate([ref_prompt], PARAMS, reuse=blend)[0]
+    assert [counts(r) for r in out.chunk_reuse] == [counts(r) for r in out_ref.chunk_reuse]
+    assert out.token_ids == out_ref.token_ids
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])

@@ -63,17 +63,11 @@ class _Plan:
         if seq.seq_id in self.tokens:
             self.budget += self.tokens.pop(seq.seq_id)[1]
 
-    def batch(self, pool: PagePool, num_layers: int) -> ScheduledBatch:
-        """The step; a step that runs something takes the pool's page changes with it, and its blended prefills
-        resolved against the prefix cache after every allocation of the step (chunkwise/engine/blend.py)."""
+    def batch(self, pool: PagePool) -> ScheduledBatch:
+        """The step; a step that runs something takes the pool's page changes with it."""
         entries = list(self.tokens.values())
         changes = pool.take_changes() if entries else PageChanges.none()
-        blends = {}
-        for s, _ in entries:
-            if s.blend is not None and s.num_preemptions == 0 and s.num_computed_tokens < s.num_prompt_tokens:
-                blends[s.seq_id] = plan_blend(s.blend, s.pieces, s.num_computed_tokens, pool, num_layers)
-                s.blended_from = s.num_computed_tokens
-        return ScheduledBatch([s for s, _ in entries], [n for _, n in entries], self.preempted, changes, blends)
+        return ScheduledBatch([s for s, _ in entries], [n for _, n in entries], self.preempted, changes)
 
 
 class Scheduler:
@@ -121,7 +115,7 @@ class Scheduler:
         plan = _Plan(self.engine_config.max_num_batched_tokens)
         alone, self._alone = self._alone, None
         if alone is not None and not alone.is_finished and self._schedule_alone(alone, plan):
-            return plan.batch(self.page_pool, self.engine_config.model_config.num_layers)
+            return self._batch(plan)
         # A decode whose pending token is its max_tokens-th finishes when that token lands: not scheduled again.
         for seq in [s for s in self.running if s.num_uncomputed_tokens == 1 and not s.pending_is_last]:
             if plan.budget <= 0:
@@ -141,7 +135,18 @@ class Scheduler:
                     self._reserve(seq, n, plan)
         if self._alone is None and not chunk_waits:
             self._admit(plan)
-        return plan.batch(self.page_pool, self.engine_config.model_config.num_layers)
+        return self._batch(plan)
+
+    def _batch(self, plan: _Plan) -> ScheduledBatch:
+        """The plan's step, with its blended prefills resolved against the prefix cache after every allocation of
+        the step (chunkwise/engine/blend.py): a cached page then is not overwritten before the step reads it."""
+        batch = plan.batch(self.page_pool)
+        for s in batch.seqs:
+            if s.blend is not None and s.num_preemptions == 0 and s.num_computed_tokens < s.num_prompt_tokens:
+                batch.blends[s.seq_id] = plan_blend(s.blend, s.pieces, s.num_computed_tokens, self.page_pool,
+                                                    self.engine_config.model_config.num_layers)
+                s.blended_from = s.num_computed_tokens
+        return batch
 
     def _chunk(self, seq: Sequence, plan: _Plan, computed: int | None = None) -> int:
         """Tokens seq computes next, from `computed` tokens (default: its own count): up to its next caller

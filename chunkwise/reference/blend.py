@@ -70,11 +70,13 @@ def placed_kv(model: ReferenceModel, k: torch.Tensor, v: torch.Tensor, start: in
 
 @torch.inference_mode()
 def blend_prefill(model: ReferenceModel, token_ids: list[int], pieces: tuple[Piece, ...] | None, blend: Blend,
-                  c0: int = 0, isolated=None) -> BlendResult:
+                  c0: int = 0, isolated=None, page_size: int | None = None) -> BlendResult:
     """The blended cache of a prompt (`pieces` as chunkwise.chunks.Piece, None for a plain prompt: nothing to
     blend) and its last row's logits. `c0`: the leading tokens whose K/V are exact (a prefix-cache hit), in
     [0, L - 1]. `isolated(chunk)` -> (k, v) [layers, n, K, D] of the chunk alone, default `model.forward` on
-    its ids (an engine may pass a memo: they depend on the chunk's ids only)."""
+    its ids (an engine may pass a memo: they depend on the chunk's ids only). `page_size`: a chunk's stored
+    tokens are its full pages' (the fast engine keeps a chunk's K/V in its full pages; its tail is computed like
+    text); None: all its tokens."""
     cfg, n_tokens = model.cfg, len(token_ids)
     if not 0 <= c0 < n_tokens:
         raise ValueError(f"c0={c0!r} must be in [0, {n_tokens - 1}] for a prompt of {n_tokens} tokens")
@@ -100,7 +102,8 @@ def blend_prefill(model: ReferenceModel, token_ids: list[int], pieces: tuple[Pie
         if piece.chunk is not None:
             k_iso, v_iso = isolated(piece.chunk)
             k_cache[:, start:end], v_cache[:, start:end] = placed_kv(model, k_iso, v_iso, start)
-            candidate[max(start, c0):end] = True
+            stored = start + (piece.num_tokens // page_size * page_size if page_size else piece.num_tokens)
+            candidate[max(start, c0):stored] = True
             heads[start:start + num_kept(r, piece.num_tokens)] = True
         start = end
     candidate[n_tokens - 1] = False

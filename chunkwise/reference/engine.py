@@ -72,7 +72,8 @@ class Engine:
         return self.isolated_kv[chunk]
 
     def _blend(self, prompt: list[int], pieces, blend: Blend) -> BlendResult:
-        return blend_prefill(self.model, prompt, pieces, blend, isolated=self._isolated)
+        return blend_prefill(self.model, prompt, pieces, blend, isolated=self._isolated,
+                             page_size=self.engine_config.page_size)
 
     def _generate_one(self, request_id: int, prompt: list[int], params: SamplingParams,
                       pieces=None, reuse="exact") -> RequestOutput:
