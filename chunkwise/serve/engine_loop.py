@@ -1,7 +1,8 @@
 """The engine, stepped on a thread of its own; each HTTP request gets its StepOutputs through an asyncio queue.
 
-One thread owns the engine: it takes submissions and aborts from its inbox between steps (add_request,
-abort), then steps while any request is unfinished, and sleeps when none is. The event loop never waits on
+One thread owns the engine: it takes aborts, calls (`call`: chunk registration and unpinning) and submissions
+from its inbox between steps (abort, the call, add_request), then steps while any request is unfinished, and
+sleeps when none is. The event loop never waits on
 the engine: a submission is put in the inbox and answered through a future (the request ids, or the engine's
 TypeError/ValueError naming the bad value); every StepOutput goes to its request's queue through
 `loop.call_soon_threadsafe`, tagged with the sample's index within its HTTP request (n > 1, batched prompts).
@@ -20,6 +21,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from chunkwise.sampling import RequestOutput, SamplingParams
 from chunkwise.engine.llm_engine import StepOutput
@@ -40,12 +42,14 @@ class _Stream:
 @dataclass
 class Submission:
     """Samples of one HTTP request, added together or not at all."""
-    prompts: list[list[int]]           # one prompt's token ids per sample
+    prompts: list[list]                # one prompt per sample: its token ids, or a composite prompt
     params: list[SamplingParams]       # one per sample
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     arrival: float
     future: Future = field(default_factory=Future)   # -> list of request ids, one per sample
+    reuse: list | None = None          # one `reuse` per sample (a composite's); None: all "exact"
+    num_prompt_tokens: int | None = None   # for the metrics; None: the prompts' lengths (plain prompts)
 
 
 class EngineLoop:
@@ -54,6 +58,7 @@ class EngineLoop:
         self.metrics = metrics
         self._submissions: queue.SimpleQueue[Submission] = queue.SimpleQueue()
         self._aborts: queue.SimpleQueue[int | None] = queue.SimpleQueue()   # None: abort every request
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[int, _Stream] = {}
         self._stopping = False
@@ -72,6 +77,17 @@ class EngineLoop:
         self._submissions.put(sub)
         self._wake.set()
         return sub.future
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run fn() on the engine thread between steps (never during one); the future holds its result or
+        exception."""
+        future: Future = Future()
+        if self._stopping or self.failure is not None:
+            future.set_exception(RuntimeError(self.failure or "the server is shutting down"))
+            return future
+        self._calls.put((fn, future))
+        self._wake.set()
+        return future
 
     def abort(self, request_ids) -> None:
         """Abort these requests (those still running); returns at once."""
@@ -112,16 +128,40 @@ class EngineLoop:
             self._take_aborts()
             if self._stopping:
                 self._abort_all()
+                self._refuse_calls("the server is shutting down")
                 return
+            # a call may step the engine itself (register_chunk computes the chunk): streamed requests' outputs
+            # made then wait in the engine's backlog for the next step(), taken even if nothing is unfinished
+            called = self._take_calls()
             self._take_submissions()
-            if not self.engine.has_unfinished():
+            if not self.engine.has_unfinished() and not called:
                 continue
             try:
                 outs = self.engine.step()
             except Exception as exc:   # not contained by the engine (it contains a failing step's requests)
                 self._fail_all(f"{type(exc).__name__}: {exc}")
+                self._refuse_calls(self.failure)
                 return
             self._deliver(outs)
+
+    def _take_calls(self) -> bool:
+        """Runs the calls in the inbox; whether there were any."""
+        called = False
+        for fn, future in _drained(self._calls):
+            called = True
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
+        return called
+
+    def _refuse_calls(self, reason: str) -> None:
+        """The calls still in the inbox once the thread ends: nobody will run them."""
+        for _fn, future in _drained(self._calls):
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError(reason))
 
     def _take_submissions(self) -> None:
         for sub in _drained(self._submissions):
@@ -129,8 +169,8 @@ class EngineLoop:
                 continue
             rids = []
             try:
-                for ids, params in zip(sub.prompts, sub.params):
-                    rids.append(self.engine.add_request(ids, params))
+                for ids, params, reuse in zip(sub.prompts, sub.params, sub.reuse or ["exact"] * len(sub.prompts)):
+                    rids.append(self.engine.add_request(ids, params, reuse=reuse))
             except Exception as exc:   # validation: nothing of this submission stays queued
                 for rid in rids:
                     self.engine.abort(rid)
@@ -139,7 +179,8 @@ class EngineLoop:
             for index, rid in enumerate(rids):
                 self._streams[rid] = _Stream(sub.loop, sub.queue, index, sub.arrival)
             if self.metrics is not None:
-                self.metrics.prompt_tokens.inc(sum(len(ids) for ids in sub.prompts))
+                self.metrics.prompt_tokens.inc(sub.num_prompt_tokens if sub.num_prompt_tokens is not None
+                                               else sum(len(ids) for ids in sub.prompts))
             sub.future.set_result(rids)
 
     def _take_aborts(self) -> None:
