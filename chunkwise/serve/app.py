@@ -1,4 +1,5 @@
-"""The FastAPI application: OpenAI's completions and chat completions (streamed or not), models, health, metrics.
+"""The FastAPI application: OpenAI's completions and chat completions (streamed or not), models, health, metrics,
+and chunkwise's chunk registry (/v1/chunks) with composite completion prompts (the `chunkwise` extension).
 
 A request is parsed and checked here (protocol.py), its prompts encoded (a chat through the checkpoint's chat
 template), then its samples (n per prompt) are submitted to the engine thread together. Their outputs come back
@@ -7,6 +8,13 @@ in the engine. A client that disconnects, streaming or not, has its requests abo
 once. Errors use OpenAI's error object: 400 for a bad request (the engine's own TypeError/ValueError message
 included), 404 for an unknown model, 429 when the waiting queue is full, 500 for a request that failed inside a
 step (only that request), 503 while shutting down or after the engine failed.
+
+Chunks: POST /v1/chunks registers one (`Engine.register_chunk`, run on the engine thread between steps), named
+"chunk-<n>" after its engine id; GET lists those registered here; DELETE /v1/chunks/{id} unpins one. A completion's
+`chunkwise.prompt` composes them with text and ids into one composite prompt (`prompt` then absent or empty), with
+`chunkwise.reuse` "exact" or "blend" (`recompute_ratio`, `policy`: a `chunkwise.Blend`); each choice then carries
+`chunk_reuse`, the engine's report per piece. Chat has no such extension (a template's text around a chunk would
+not tokenize as the chunk's ids).
 """
 from __future__ import annotations
 
@@ -20,11 +28,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from chunkwise.chunks import BLEND_POLICIES, Blend, Chunk
 from chunkwise.serve.engine_loop import EngineLoop, Submission
-from chunkwise.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, model_card,
-                                      new_id, now, parse, usage)
+from chunkwise.serve.protocol import (APIError, ChatCompletionRequest, ChunkRequest, CompletionRequest, bad_request,
+                                      chunk_card, chunk_name, model_card, new_id, now, parse, reuse_card, usage)
 from chunkwise.serve.stops import StopStrings
-from chunkwise.tokenizer import chat_prompt, encode_prompts
+from chunkwise.tokenizer import chat_prompt, encode_prompts, is_int
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions; a chat defaults to the room left
 
@@ -37,6 +46,9 @@ class ServerState:
     max_logprobs: int = 20         # the most top logprobs a request may ask for (OpenAI allows 20)
     accepting: bool = True         # False once shutting down
     created: int = field(default_factory=now)
+    # chunks registered through /v1/chunks, by name; written on the engine thread only, as the engine registers
+    chunks: dict[str, Chunk] = field(default_factory=dict)
+    pinned: set[str] = field(default_factory=set)
 
     @property
     def engine(self):
@@ -54,10 +66,17 @@ class _Choice:
     logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)   # (token, its logprob dict)
     finish_reason: str | None = None
     error: str | None = None
+    ended: bool = False                  # the engine's last output arrived (after a stop string: its abort's)
+    chunk_reuse: list[dict] | None = None   # the engine's report, once ended
+    held: tuple | None = None            # streamed: the finishing event's (delta, pairs), until chunk_reuse comes
 
     def feed(self, out) -> tuple[str, list[tuple[int, dict[int, float]]]]:
         """The text and (token, logprobs) pairs that `out` adds, with stop strings cut; sets finish_reason when the
         sample ends (a stop string is "stop", as the engine's own stop tokens are)."""
+        if out.finished:
+            self.ended = True
+            report = out.output.chunk_reuse if out.output is not None else None
+            self.chunk_reuse = None if report is None else [reuse_card(r) for r in report]
         if self.finish_reason is not None:   # ended by a stop string: its later outputs are dropped
             return "", []
         self.num_tokens += len(out.new_token_ids)
@@ -106,6 +125,19 @@ def build_app(state: ServerState) -> FastAPI:
         m = state.loop.metrics
         return Response(m.render() if m is not None else b"", media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/v1/chunks")
+    async def register_chunk(request: Request):
+        return await _register_chunk(state, request)
+
+    @app.get("/v1/chunks")
+    async def list_chunks():
+        chunks = list(state.chunks.items())
+        return {"object": "list", "data": [chunk_card(c, name in state.pinned) for name, c in chunks]}
+
+    @app.delete("/v1/chunks/{name}")
+    async def unpin_chunk(name: str):
+        return await _unpin_chunk(state, name)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await _generate(state, request, chat=False)
@@ -117,20 +149,78 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-async def _generate(state: ServerState, request: Request, chat: bool):
-    arrival = time.monotonic()
+async def _body(request: Request):
     try:
-        body = json.loads(await request.body())
+        return json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
-    req = parse(ChatCompletionRequest if chat else CompletionRequest, body)
-    if req.model != state.model_name:
-        raise APIError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")
+
+
+def _check_serving(state: ServerState, model: str) -> None:
+    if model != state.model_name:
+        raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
     if not state.accepting or state.loop.failure:
         raise APIError(503, state.loop.failure or "the server is shutting down")
+
+
+async def _register_chunk(state: ServerState, request: Request) -> dict:
+    req = parse(ChunkRequest, await _body(request))
+    _check_serving(state, req.model)
+    engine = state.engine
+    # the prompt's own errors (no tokenizer for text, empty, outside the vocabulary) before the engine thread
+    _engine_check(engine.chunks.chunk_ids, req.prompt, engine.tokenizer, engine.model_config.vocab_size,
+                  param="prompt")
+
+    def register() -> Chunk:   # on the engine thread; recorded there, so a client that left still has it listed
+        chunk = engine.register_chunk(req.prompt, pin=req.pin)
+        state.chunks[chunk_name(chunk)] = chunk
+        if req.pin:
+            state.pinned.add(chunk_name(chunk))
+        return chunk
+
+    try:
+        chunk = await asyncio.wrap_future(state.loop.call(register))
+    except (TypeError, ValueError) as e:   # the pin's: the cap, a queued request left without room
+        raise bad_request(str(e), "pin" if "pin" in str(e) else "prompt") from None
+    except RuntimeError as e:
+        raise APIError(503 if state.loop.failure or not state.accepting else 500, str(e)) from None
+    return chunk_card(chunk, req.pin)
+
+
+async def _unpin_chunk(state: ServerState, name: str) -> dict:
+    chunk = state.chunks.get(name)
+    if chunk is None:
+        raise APIError(404, f"The chunk `{name}` does not exist (register it with POST /v1/chunks).",
+                       code="chunk_not_found")
+    if name not in state.pinned:
+        raise bad_request(f"the chunk `{name}` is not pinned (registered with pin=false, or unpinned already)")
+
+    def unpin() -> None:
+        state.engine.unpin(chunk)
+        state.pinned.discard(name)
+
+    try:
+        await asyncio.wrap_future(state.loop.call(unpin))
+    except ValueError as e:   # unpinned meanwhile by another request
+        raise bad_request(str(e)) from None
+    except RuntimeError as e:
+        raise APIError(503, str(e)) from None
+    return chunk_card(chunk, False)
+
+
+async def _generate(state: ServerState, request: Request, chat: bool):
+    arrival = time.monotonic()
+    req = parse(ChatCompletionRequest if chat else CompletionRequest, await _body(request))
+    _check_serving(state, req.model)
     req.refuse_unsupported()
     engine = state.engine
-    prompts = _chat_prompt(state, req) if chat else _completion_prompts(engine, req)
+    composite = not chat and req.chunkwise is not None
+    if composite:
+        pieces, reuse, prompt_tokens = _composite(state, req)
+        prompts = [pieces]
+    else:
+        prompts = _chat_prompt(state, req) if chat else _completion_prompts(engine, req)
+        reuse, prompt_tokens = "exact", sum(len(p) for p in prompts)
     stops = req.stop_strings()
     if stops and engine.tokenizer is None:
         raise bad_request(f"stop strings need a tokenizer, and {state.model_name} has none; use stop_token_ids",
@@ -149,11 +239,12 @@ async def _generate(state: ServerState, request: Request, chat: bool):
         raise APIError(429, f"the server's waiting queue is full ({state.max_waiting} requests); retry later",
                        code="queue_full")
     queue: asyncio.Queue = asyncio.Queue()
-    future = state.loop.submit(Submission(samples, params, queue, asyncio.get_running_loop(), arrival))
+    future = state.loop.submit(Submission(samples, params, queue, asyncio.get_running_loop(), arrival,
+                                          reuse=[reuse] * len(samples), num_prompt_tokens=prompt_tokens * req.n))
     try:
         request_ids = await asyncio.wrap_future(future)
     except (TypeError, ValueError) as e:
-        raise bad_request(str(e)) from None
+        raise bad_request(str(e), "chunkwise.prompt" if composite else None) from None
     except RuntimeError as e:
         raise APIError(503, str(e)) from None
     except asyncio.CancelledError:   # the client left before the engine took the request: abort once it has
@@ -161,7 +252,7 @@ async def _generate(state: ServerState, request: Request, chat: bool):
                                  and state.loop.abort(f.result()))
         raise
     choices = [_Choice(i, rid, StopStrings(stops) if stops else None) for i, rid in enumerate(request_ids)]
-    reply = _Reply(state, req, chat, choices, queue, sum(len(p) for p in prompts))
+    reply = _Reply(state, req, chat, choices, queue, prompt_tokens, composite)
     if req.stream:
         return _AbortingStream(reply)
     return await reply.collect(request)
@@ -182,12 +273,54 @@ class _AbortingStream(StreamingResponse):
             self.reply.state.loop.abort(self.reply.running_ids())
 
 
-def _engine_check(make, *args):
+def _engine_check(make, *args, param: str | None = None):
     """The engine's own validation errors (TypeError/ValueError naming the value) as 400s."""
     try:
         return make(*args)
     except (TypeError, ValueError) as e:
-        raise bad_request(str(e)) from None
+        raise bad_request(str(e), param) from None
+
+
+def _composite(state: ServerState, req: CompletionRequest) -> tuple[list, str | Blend, int]:
+    """The `chunkwise` extension's composite prompt (its pieces: Chunk handles, text, token ids), its reuse and
+    its number of tokens; a 400 (404 for an unknown chunk) naming the field otherwise."""
+    ext, engine = req.chunkwise, state.engine
+    if req.prompt not in (None, "", []):
+        raise bad_request("give the prompt as `prompt` or as `chunkwise.prompt`, not both: with `chunkwise`, `prompt` "
+                          "must be absent, null or empty", "prompt")
+    pieces: list = []
+    for j, p in enumerate(ext.prompt):
+        where = f"chunkwise.prompt[{j}]"
+        if isinstance(p, dict) and set(p) == {"chunk"} and isinstance(p["chunk"], str):
+            chunk = state.chunks.get(p["chunk"])
+            if chunk is None:
+                raise APIError(404, f"{where}: the chunk `{p['chunk']}` does not exist (register it with POST "
+                                    f"/v1/chunks)", where + ".chunk", "chunk_not_found")
+            pieces.append(chunk)
+        elif isinstance(p, str) or (isinstance(p, list) and all(is_int(t) for t in p)):
+            pieces.append(p)
+        else:
+            raise bad_request(f'{where} must be {{"chunk": "chunk-<n>"}}, text or a list of token ids, got {p!r:.80}',
+                              where)
+    if not any(isinstance(p, Chunk) for p in pieces):
+        raise bad_request('chunkwise.prompt must hold at least one {"chunk": ...} piece (a prompt of text and ids '
+                          'alone goes in `prompt`)', "chunkwise.prompt")
+    ids, _ = _engine_check(engine.chunks.pieces, pieces, engine.tokenizer, 0, param="chunkwise.prompt")
+    if ext.reuse == "exact":
+        for name in ("recompute_ratio", "policy"):
+            if getattr(ext, name) is not None:
+                raise bad_request(f'chunkwise.{name} applies to reuse="blend" only, and reuse is "exact"',
+                                  f"chunkwise.{name}")
+        return pieces, "exact", len(ids)
+    given = {k: getattr(ext, k) for k in ("recompute_ratio", "policy") if getattr(ext, k) is not None}
+    try:
+        blend = Blend(**given)
+    except ValueError as e:
+        bad_policy = ext.policy is not None and ext.policy not in BLEND_POLICIES
+        raise bad_request(str(e), "chunkwise.policy" if bad_policy else "chunkwise.recompute_ratio") from None
+    # the engine's own refusal (no prefix caching, tensor parallelism), checked on its immutable config
+    _engine_check(engine._check_blend, blend, 0, param="chunkwise.reuse")
+    return pieces, blend, len(ids)
 
 
 def _completion_prompts(engine, req: CompletionRequest) -> list[list[int]]:
@@ -225,9 +358,10 @@ class _Reply:
     """The answer to one HTTP request, from its samples' outputs: collected whole, or streamed as events."""
 
     def __init__(self, state: ServerState, req, chat: bool, choices: list[_Choice], queue: asyncio.Queue,
-                 prompt_tokens: int):
+                 prompt_tokens: int, composite: bool = False):
         self.state, self.req, self.chat, self.choices, self.queue = state, req, chat, choices, queue
         self.prompt_tokens = prompt_tokens
+        self.composite = composite   # each choice reports chunk_reuse, so waits for the engine's last output
         self.k = _logprobs(state, req, chat)
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = now()
@@ -247,6 +381,11 @@ class _Reply:
 
     def running_ids(self) -> list[int]:
         return [c.request_id for c in self.choices if c.finish_reason is None]
+
+    def _open(self) -> bool:
+        """Whether some choice still waits for an output: for its end, or for the engine's last output
+        (which carries chunk_reuse) of a composite."""
+        return any(not c.ended if self.composite else c.finish_reason is None for c in self.choices)
 
     def _failed(self) -> _Choice | None:
         return next((c for c in self.choices if c.finish_reason == "error"), None)
@@ -271,7 +410,7 @@ class _Reply:
             self.state.loop.abort(self.running_ids())
 
     async def _collect_all(self) -> None:
-        while self.running_ids() and self._failed() is None:
+        while self._open() and self._failed() is None:
             await self._next()
 
     async def stream(self):
@@ -279,15 +418,21 @@ class _Reply:
         if self.chat:   # the role first, as OpenAI sends it
             for c in self.choices:
                 yield self._event([self._chunk_choice(c, {"role": "assistant", "content": ""}, [], None)])
-        while self.running_ids():
+        while self._open():
             choice, piece, pairs, was_open = await self._next()
             if not was_open:
+                if choice.held is not None and choice.ended:   # a stop string's end, now with chunk_reuse
+                    yield self._event([self._chunk_choice(choice, *choice.held, choice.finish_reason)])
+                    choice.held = None
                 continue
             if choice.finish_reason == "error":   # the others are aborted
                 yield f"data: {json.dumps(self._error(choice).body())}\n\n"
                 break
             # one event per engine output, text or not, so a client sees each token's arrival
             delta = {"content": piece} if self.chat else piece
+            if self.composite and choice.finish_reason is not None and not choice.ended:
+                choice.held = (delta, pairs)   # sent with chunk_reuse once the engine's abort output comes
+                continue
             yield self._event([self._chunk_choice(choice, delta, pairs, choice.finish_reason)])
         else:
             if self.req.stream_options is not None and self.req.stream_options.include_usage:
@@ -307,6 +452,8 @@ class _Reply:
                                 "logprobs": lp, "finish_reason": c.finish_reason})
             else:
                 choices.append({"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
+            if self.composite:
+                choices[-1]["chunk_reuse"] = c.chunk_reuse
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.state.model_name, "choices": choices,
                 "usage": self._usage()}
@@ -315,7 +462,10 @@ class _Reply:
         lp = self._logprobs(c, pairs) if self.k is not None and pairs else None
         if self.chat:
             return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
-        return {"index": c.index, "text": delta, "logprobs": lp, "finish_reason": finish_reason}
+        out = {"index": c.index, "text": delta, "logprobs": lp, "finish_reason": finish_reason}
+        if self.composite and finish_reason is not None:
+            out["chunk_reuse"] = c.chunk_reuse
+        return out
 
     def _event(self, choices: list[dict], usage: dict | None = None) -> str:
         chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",

@@ -4,8 +4,10 @@ Requests are pydantic models in strict mode with unknown fields forbidden: a wro
 field is a 400 naming the field. Fields OpenAI defines that this server does not implement are accepted only at
 their defaults (a value that would change the output is a 400 naming the field), so a client never gets an answer
 that silently ignored what it asked. Extensions, as vLLM's server has them: `top_k`, `ignore_eos`,
-`stop_token_ids`. Responses are plain dicts in OpenAI's shapes (`text_completion`, `chat.completion`, their
-streamed chunks, `list` of models).
+`stop_token_ids`; and chunkwise's own, namespaced: a completion's `chunkwise` object (a composite prompt of
+registered chunks, text and ids, and its reuse mode: `ChunkwiseOptions`), answered with `chunk_reuse` per choice,
+and the chunk registry's request (`ChunkRequest`, for /v1/chunks). Responses are plain dicts in OpenAI's shapes
+(`text_completion`, `chat.completion`, their streamed chunks, `list` of models), and `chunk` for a registered chunk.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from chunkwise.chunks import Chunk
 from chunkwise.sampling import SamplingParams
 from chunkwise.tokenizer import is_int
 
@@ -97,8 +100,27 @@ class _GenerationRequest(BaseModel):
                               ignore_eos=self.ignore_eos, stop_token_ids=tuple(self.stop_token_ids or ()))
 
 
+class ChunkwiseOptions(BaseModel):
+    """A completion's `chunkwise` extension: its prompt composed of pieces, and how cached K/V may be reused."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    prompt: list[Any]                        # pieces: {"chunk": "chunk-<n>"}, text, or a list of token ids
+    reuse: Literal["exact", "blend"] = "exact"
+    recompute_ratio: float | None = None     # blend only; default Blend()'s
+    policy: str | None = None                # blend only: "kv-deviation" or "chunk-heads"; default Blend()'s
+
+
+class ChunkRequest(BaseModel):
+    """POST /v1/chunks: register text or token ids as a chunk, pinned or not."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str
+    prompt: Any                  # text or a list of token ids (checked by the engine, naming the value)
+    pin: bool = False
+
+
 class CompletionRequest(_GenerationRequest):
-    prompt: Any                  # a string, a list of token ids, or a list of either (checked by `prompts`)
+    prompt: Any = None           # a string, a list of token ids, or a list of either (checked by `prompts`);
+                                 # absent or empty when `chunkwise` gives the prompt
+    chunkwise: ChunkwiseOptions | None = None   # extension
     logprobs: int | None = None  # top logprobs per token, besides the chosen token's
     echo: bool = False
     suffix: str | None = None
@@ -117,6 +139,8 @@ class CompletionRequest(_GenerationRequest):
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: a string or a list of token ids is one prompt; a list of those is a batch."""
         p = self.prompt
+        if p is None:
+            raise bad_request("prompt is required", "prompt")
         if isinstance(p, str) or (isinstance(p, list) and p and all(is_int(t) for t in p)):
             return [p]
         if isinstance(p, list) and p and all(isinstance(x, str) or (isinstance(x, list) and all(is_int(t) for t in x))
@@ -202,6 +226,20 @@ def now() -> int:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chunk_name(chunk: Chunk) -> str:
+    return f"chunk-{chunk.chunk_id}"
+
+
+def chunk_card(chunk: Chunk, pinned: bool) -> dict:
+    return {"id": chunk_name(chunk), "object": "chunk", "num_tokens": len(chunk), "pinned": pinned}
+
+
+def reuse_card(r) -> dict:
+    """One piece's `chunkwise.ChunkReuse` as the response's `chunk_reuse` entry."""
+    return {"chunk": None if r.chunk is None else chunk_name(r.chunk), "num_tokens": r.num_tokens, "exact": r.exact,
+            "blended": r.blended, "recomputed": r.recomputed}
 
 
 def model_card(name: str, max_model_len: int, created: int) -> dict:
