@@ -1,0 +1,259 @@
+"""The server's chunk extension, over real HTTP on 127.0.0.1: /v1/chunks registers, lists and unpins chunks (on the
+engine thread); a completion's `chunkwise` object composes them with text and ids, and its tokens, logprobs and
+`chunk_reuse` per choice equal the same engine's `generate` of the same composite prompt, in exact and in blend
+mode (streamed too, a stop string included); every bad extension input is a 400 (404 for an unknown chunk) with
+OpenAI's error object naming the field, checked before anything is queued, and the server goes on.
+
+One server (the tiny Qwen3 with a byte-level tokenizer, pages of 4 tokens so that short chunks fill pages) serves
+the module from a thread; a second, without prefix caching, shows the engine's refusal of blend mode.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import openai
+import pytest
+
+from chunkwise.chunks import Blend
+from chunkwise.engine import Engine
+from chunkwise.sampling import SamplingParams
+from chunkwise.serve.cli import make_server
+
+MODEL = "tiny-bytes"
+PAGE = 4
+SYS, DOC_A, DOC_B = [7, 8, 9, 10, 11, 12, 13, 14], list(range(40, 52)), list(range(60, 70))
+
+
+@contextmanager
+def serving(engine: Engine):
+    """A server over `engine` on a free port, run by a thread; `.url` is its address."""
+    srv = make_server(engine, MODEL, port=0, log_level="warning")
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not srv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    srv.url = f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
+    try:
+        yield srv
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+        srv.state.loop.stop()
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt_with_byte_tokenizer):
+    with serving(Engine(tiny_ckpt_with_byte_tokenizer, dtype="float32", device="cpu", page_size=PAGE,
+                        num_pages=64, max_model_len=128)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def engine(server):
+    return server.state.engine
+
+
+@pytest.fixture(scope="module")
+def chunks(server) -> dict[str, dict]:
+    """SYS pinned, DOC_A pinned, DOC_B as text, unpinned: their /v1/chunks cards by name."""
+    cards = {}
+    for name, prompt, pin in (("sys", SYS, True), ("doc_a", DOC_A, True), ("doc_b", "the other document", False)):
+        r = httpx.post(server.url + "/v1/chunks", json={"model": MODEL, "prompt": prompt, "pin": pin}, timeout=120)
+        assert r.status_code == 200, r.text
+        cards[name] = r.json()
+    return cards
+
+
+def post(server, path: str, body, timeout: float = 120) -> httpx.Response:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.request("DELETE" if path.startswith("DELETE ") else "POST", server.url + path.removeprefix("DELETE "),
+                         content=raw, headers={"Content-Type": "application/json"}, timeout=timeout)
+
+
+def piece(card: dict) -> dict:
+    return {"chunk": card["id"]}
+
+
+def handles(server, pieces: list) -> list:
+    """The same pieces for the engine: Chunk handles in place of {"chunk": name}."""
+    return [server.state.chunks[p["chunk"]] if isinstance(p, dict) else p for p in pieces]
+
+
+def reuse_cards(out) -> list[dict]:
+    return [{"chunk": None if r.chunk is None else f"chunk-{r.chunk.chunk_id}", "num_tokens": r.num_tokens,
+             "exact": r.exact, "blended": r.blended, "recomputed": r.recomputed} for r in out.chunk_reuse]
+
+
+def assert_same_as_engine(choice, out, tokenizer, same_cache: bool) -> None:
+    """A completion choice (logprobs=0) against the engine's RequestOutput: its tokens, text and pieces; with
+    `same_cache` (both requests found the same prefix cache), its logprobs and report bit for bit too."""
+    assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in out.token_ids]
+    assert choice.text == out.text
+    report = choice.model_extra["chunk_reuse"]
+    assert [(r["chunk"], r["num_tokens"]) for r in report] == [(r["chunk"], r["num_tokens"]) for r in reuse_cards(out)]
+    assert all(r["exact"] + r["blended"] + r["recomputed"] == r["num_tokens"] for r in report)
+    if same_cache:
+        assert choice.logprobs.token_logprobs == [lps[t] for t, lps in zip(out.token_ids, out.logprobs)]
+        assert report == reuse_cards(out)
+
+
+def test_chunks_are_registered_listed_and_unpinned(server, chunks, engine):
+    assert chunks["sys"] == {"id": chunks["sys"]["id"], "object": "chunk", "num_tokens": len(SYS), "pinned": True}
+    doc_b = engine.tokenizer.encode("the other document", add_special_tokens=False)
+    assert chunks["doc_b"]["num_tokens"] == len(doc_b) and not chunks["doc_b"]["pinned"]
+    assert server.state.chunks[chunks["doc_b"]["id"]].token_ids == tuple(doc_b)
+    listed = httpx.get(server.url + "/v1/chunks").json()
+    assert listed["object"] == "list" and {c["id"]: c for c in listed["data"]} == {c["id"]: c for c in chunks.values()}
+    pinned_pages = engine.page_pool.num_pinned_pages
+    assert pinned_pages == (len(SYS) + len(DOC_A)) // PAGE   # both pinned chunks' full pages
+    extra = post(server, "/v1/chunks", {"model": MODEL, "prompt": [90, 91, 92, 93, 94], "pin": True}).json()
+    assert engine.page_pool.num_pinned_pages == pinned_pages + 1
+    r = post(server, f"DELETE /v1/chunks/{extra['id']}", b"")
+    assert r.status_code == 200 and r.json() == {**extra, "pinned": False}
+    assert engine.page_pool.num_pinned_pages == pinned_pages
+    listed = {c["id"]: c for c in httpx.get(server.url + "/v1/chunks").json()["data"]}
+    assert listed[extra["id"]]["pinned"] is False   # still a handle to compose with
+
+
+def test_composite_completion_equals_the_engines_exact_generate(server, client, chunks, engine):
+    pieces = [piece(chunks["sys"]), piece(chunks["doc_b"]), [30, 31], piece(chunks["doc_a"]), "which one?"]
+    res = client.completions.create(model=MODEL, prompt="", max_tokens=5, temperature=0, logprobs=0, n=2,
+                                    extra_body={"ignore_eos": True, "chunkwise": {"prompt": pieces}})
+    out = engine.generate([handles(server, pieces)], SamplingParams(max_tokens=5, temperature=0, logprobs=0,
+                                                                    ignore_eos=True))[0]
+    for choice in res.choices:   # the server's request cached the prompt's pages: the engine's reuses more
+        assert_same_as_engine(choice, out, engine.tokenizer, same_cache=False)
+    assert [r["chunk"] for r in res.choices[0].model_extra["chunk_reuse"]] == [
+        chunks["sys"]["id"], chunks["doc_b"]["id"], None, chunks["doc_a"]["id"], None]
+    assert res.choices[0].model_extra["chunk_reuse"][0]["exact"] == len(SYS)   # pinned, opening the prompt
+    assert res.usage.prompt_tokens == len(out.prompt_token_ids)
+
+
+def test_composite_completion_equals_the_engines_blend(server, client, chunks, engine):
+    """Back to back on the same engine: a blended request leaves nothing in the prefix cache, and the chunks it
+    reuses are pinned, so both see the same cache."""
+    pieces = [piece(chunks["doc_a"]), [33], piece(chunks["sys"]), "and?"]
+    ext = {"prompt": pieces, "reuse": "blend", "recompute_ratio": 0.25, "policy": "chunk-heads"}
+    res = client.completions.create(model=MODEL, prompt=None, max_tokens=4, temperature=0, logprobs=0,
+                                    extra_body={"ignore_eos": True, "chunkwise": ext})
+    out = engine.generate([handles(server, pieces)], SamplingParams(max_tokens=4, temperature=0, logprobs=0,
+                                                                    ignore_eos=True),
+                          reuse=Blend(recompute_ratio=0.25, policy="chunk-heads"))[0]
+    assert_same_as_engine(res.choices[0], out, engine.tokenizer, same_cache=True)
+    report = res.choices[0].model_extra["chunk_reuse"]
+    assert report[2]["chunk"] == chunks["sys"]["id"] and report[2]["blended"] > 0   # moved from position 0
+    default = client.completions.create(model=MODEL, prompt=None, max_tokens=2, temperature=0, extra_body={
+        "ignore_eos": True, "chunkwise": {"prompt": pieces, "reuse": "blend"}})   # Blend()'s defaults
+    assert sum(r["blended"] for r in default.choices[0].model_extra["chunk_reuse"]) > 0
+
+
+def test_streamed_composite_cut_by_a_stop_string_reports_chunk_reuse(server, client, chunks, engine):
+    pieces = ["so: ", piece(chunks["doc_b"])]
+    out = engine.generate([handles(server, pieces)], SamplingParams(max_tokens=6, temperature=0,
+                                                                    ignore_eos=True))[0]
+    stop = out.text[2:4]
+    assert stop and out.text.find(stop) == 2, out.text   # a stop string whose first occurrence cuts the text
+    events = list(client.completions.create(model=MODEL, prompt="", max_tokens=6, temperature=0, stream=True,
+                                            stop=[stop], extra_body={"ignore_eos": True,
+                                                                     "chunkwise": {"prompt": pieces}}))
+    assert "".join(e.choices[0].text for e in events) == out.text[:2]
+    last = events[-1].choices[0]
+    assert last.finish_reason == "stop" and all(e.choices[0].finish_reason is None for e in events[:-1])
+    report = last.model_extra["chunk_reuse"]
+    assert [r["chunk"] for r in report] == [None, chunks["doc_b"]["id"]]
+    assert [r["num_tokens"] for r in report] == [r.num_tokens for r in out.chunk_reuse]
+    assert all(r["exact"] + r["blended"] + r["recomputed"] == r["num_tokens"] for r in report)
+
+
+def test_a_plain_completion_has_no_chunk_reuse(client):
+    res = client.completions.create(model=MODEL, prompt=[5, 6], max_tokens=1, temperature=0)
+    assert "chunk_reuse" not in res.choices[0].model_extra
+
+
+CHUNK = "chunk-0"   # SYS, registered first by the `chunks` fixture
+
+
+@pytest.mark.parametrize("path, body, status, param, says", [
+    ("/v1/chunks", {"model": MODEL, "prompt": []}, 400, "prompt", "no tokens"),
+    ("/v1/chunks", {"model": MODEL, "prompt": [5, 100000]}, 400, "prompt", "100000"),
+    ("/v1/chunks", {"model": MODEL, "prompt": {"a": 1}}, 400, "prompt", None),
+    ("/v1/chunks", {"model": "gpt-4", "prompt": [5]}, 404, "model", "gpt-4"),
+    ("/v1/chunks", {"model": MODEL, "prompt": [5], "pin": "yes"}, 400, "pin", None),
+    ("/v1/chunks", {"model": MODEL, "prompt": list(range(1, 121)), "pin": True}, 400, "pin",
+     "max_pinned_fraction"),   # 30 pages; 5 are pinned, and half of 64 may be
+    ("DELETE /v1/chunks/chunk-999", b"", 404, None, "chunk-999"),
+    ("DELETE /v1/chunks/chunk-2", b"", 400, None, "not pinned"),   # doc_b, registered with pin=false
+    ("/v1/completions", {"model": MODEL, "prompt": [5], "chunkwise": {"prompt": [{"chunk": CHUNK}]}}, 400,
+     "prompt", "not both"),
+    ("/v1/completions", {"model": MODEL, "chunkwise": {"prompt": [{"chunk": "chunk-999"}]}}, 404,
+     "chunkwise.prompt[0].chunk", "chunk-999"),
+    ("/v1/completions", {"model": MODEL, "chunkwise": {"prompt": [{"chunk": CHUNK}, {"x": 1}]}}, 400,
+     "chunkwise.prompt[1]", "chunk"),
+    ("/v1/completions", {"model": MODEL, "chunkwise": {"prompt": ["text", [5, 6]]}}, 400, "chunkwise.prompt",
+     "at least one"),
+    ("/v1/completions", {"model": MODEL, "chunkwise": {"prompt": [{"chunk": CHUNK}, ""]}}, 400, "chunkwise.prompt",
+     "no tokens"),
+    ("/v1/completions", {"model": MODEL, "chunkwise": {"prompt": [{"chunk": CHUNK}, [100000]]}}, 400,
+     "chunkwise.prompt", "100000"),
+    ("/v1/completions", {"model": MODEL, "chunkwise": {"prompt": [{"chunk": CHUNK}, [5] * 130]}}, 400,
+     "chunkwise.prompt", "max_model_len"),
+    ("/v1/completions", {"model": MODEL, "chunkwise": {"prompt": [{"chunk": CHUNK}], "reuse": "fuzzy"}}, 400,
+     "chunkwise.reuse", "fuzzy"),
+    ("/v1/completions", {"model": MODEL, "chunkwise": {"prompt": [{"chunk": CHUNK}], "reuse": "blend",
+                                                       "recompute_ratio": 1.5}}, 400, "chunkwise.recompute_ratio",
+     "1.5"),
+    ("/v1/completions", {"model": MODEL, "chunkwise": {"prompt": [{"chunk": CHUNK}], "reuse": "blend",
+                                                       "recompute_ratio": -0.1}}, 400, "chunkwise.recompute_ratio",
+     "-0.1"),
+    ("/v1/completions", {"model": MODEL, "chunkwise": {"prompt": [{"chunk": CHUNK}], "reuse": "blend",
+                                                       "policy": "random"}}, 400, "chunkwise.policy", "random"),
+    ("/v1/completions", {"model": MODEL, "chunkwise": {"prompt": [{"chunk": CHUNK}], "recompute_ratio": 0.5}},
+     400, "chunkwise.recompute_ratio", "blend"),
+    ("/v1/completions", {"model": MODEL, "chunkwise": {"prompt": [{"chunk": CHUNK}], "frobnicate": 1}}, 400,
+     "chunkwise.frobnicate", "Unrecognized"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "chunkwise": {"prompt": [{"chunk": CHUNK}]}}, 400, "chunkwise", "Unrecognized"),
+])
+def test_bad_chunk_inputs_get_openai_errors_naming_the_field(server, chunks, engine, path, body, status, param,
+                                                              says):
+    assert chunks["sys"]["id"] == CHUNK and chunks["doc_b"]["id"] == "chunk-2"
+    listed = httpx.get(server.url + "/v1/chunks").json()
+    r = post(server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
+    assert says is None or says in err["message"], err
+    assert not engine.has_unfinished()   # nothing was queued
+    assert httpx.get(server.url + "/v1/chunks").json() == listed   # nothing registered or unpinned
+
+
+def test_the_server_still_serves_composites_after_bad_inputs(server, client, chunks):
+    res = client.completions.create(model=MODEL, prompt="", max_tokens=1, temperature=0,
+                                    extra_body={"chunkwise": {"prompt": [piece(chunks["sys"]), "ok"]}})
+    assert res.choices[0].finish_reason in ("length", "stop") and res.choices[0].model_extra["chunk_reuse"]
+
+
+def test_blend_refused_by_the_engine_config_is_a_400_with_its_message(tiny_ckpt_with_byte_tokenizer):
+    with serving(Engine(tiny_ckpt_with_byte_tokenizer, dtype="float32", device="cpu", page_size=PAGE, num_pages=64,
+                        max_model_len=64, enable_prefix_caching=False)) as srv:
+        card = post(srv, "/v1/chunks", {"model": MODEL, "prompt": SYS}).json()
+        assert post(srv, "/v1/chunks", {"model": MODEL, "prompt": SYS, "pin": True}).json()["error"]["param"] == "pin"
+        r = post(srv, "/v1/completions", {"model": MODEL, "max_tokens": 1, "chunkwise": {
+            "prompt": [piece(card), [5]], "reuse": "blend"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chunkwise.reuse", r.text
+        assert "enable_prefix_caching=True" in r.json()["error"]["message"]
+        ok = post(srv, "/v1/completions", {"model": MODEL, "max_tokens": 1, "chunkwise": {
+            "prompt": [piece(card), [5]]}})   # exact mode needs no prefix cache
+        assert ok.status_code == 200 and ok.json()["choices"][0]["chunk_reuse"][0]["exact"] == 0
