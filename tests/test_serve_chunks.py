@@ -1,8 +1,10 @@
 """The server's chunk extension, over real HTTP on 127.0.0.1: /v1/chunks registers, lists and unpins chunks (on the
-engine thread); a completion's `chunkwise` object composes them with text and ids, and its tokens, logprobs and
-`chunk_reuse` per choice equal the same engine's `generate` of the same composite prompt, in exact and in blend
-mode (streamed too, a stop string included); every bad extension input is a 400 (404 for an unknown chunk) with
-OpenAI's error object naming the field, checked before anything is queued, and the server goes on.
+engine thread); a completion's `chunkwise` object composes them with text and ids, and its output equals the same
+engine's `generate` of the same composite prompt (exact mode: tokens and pieces; blend mode on the same prefix
+cache: tokens, logprobs and `chunk_reuse` bit for bit), streamed too, a stop string included; a request finishing
+inside a registration (which steps the engine) is still answered; every bad extension input is a 400 (404 for an
+unknown chunk) with OpenAI's error object naming the field, checked before anything is queued, and the server goes
+on.
 
 One server (the tiny Qwen3 with a byte-level tokenizer, pages of 4 tokens so that short chunks fill pages) serves
 the module from a thread; a second, without prefix caching, shows the engine's refusal of blend mode.
@@ -125,6 +127,44 @@ def test_chunks_are_registered_listed_and_unpinned(server, chunks, engine):
     assert engine.page_pool.num_pinned_pages == pinned_pages
     listed = {c["id"]: c for c in httpx.get(server.url + "/v1/chunks").json()["data"]}
     assert listed[extra["id"]]["pinned"] is False   # still a handle to compose with
+
+
+def test_a_request_finishing_inside_a_registration_is_still_answered(server, engine, monkeypatch):
+    """register_chunk steps the engine itself, so a request may finish inside it: its last output waits in the
+    engine's backlog, and the engine thread must step once more to hand it over though nothing is unfinished.
+    The engine's lock, held here, lines it up: the request is admitted, the registration queued behind it."""
+    loop, results, adding = server.state.loop, {}, threading.Event()
+    add_request = engine.add_request
+
+    def announced_add_request(*args, **kwargs):
+        adding.set()
+        return add_request(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", announced_add_request)
+
+    def call(name, path, body):
+        try:
+            results[name] = post(server, path, body, timeout=60)
+        except httpx.TimeoutException:
+            pass
+
+    threads = []
+    with engine._lock:
+        threads.append(threading.Thread(target=call, args=("completion", "/v1/completions", {
+            "model": MODEL, "prompt": [5, 6], "max_tokens": 2, "ignore_eos": True, "temperature": 0})))
+        threads[-1].start()
+        assert adding.wait(60)   # the engine thread took the request and waits for the lock in add_request
+        threads.append(threading.Thread(target=call, args=("chunk", "/v1/chunks", {
+            "model": MODEL, "prompt": list(range(100, 124))})))
+        threads[-1].start()
+        while loop._calls.qsize() == 0:
+            time.sleep(0.01)
+    for t in threads:
+        t.join(90)
+    assert set(results) == {"chunk", "completion"}, "no answer: the last output stayed in the engine's backlog"
+    assert results["chunk"].status_code == 200, results["chunk"].text
+    assert results["completion"].status_code == 200, results["completion"].text
+    assert results["completion"].json()["usage"]["completion_tokens"] == 2
 
 
 def test_composite_completion_equals_the_engines_exact_generate(server, client, chunks, engine):
