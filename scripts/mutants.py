@@ -70,6 +70,7 @@ SELECTION = [
     "tests/test_deterministic.py",
     "tests/test_bf16_cpu.py",
     "tests/test_serve.py",
+    "tests/test_serve_chunks.py",
     "tests/test_tensor_parallel_lifecycle.py",
 ]
 SMOKE_MARKER = "smoke"   # conftest.py runs these first in any selection

@@ -127,14 +127,15 @@ class Engine:
                                      chunk_sizes, reuse, self.chunks)
         for i, r in enumerate(requests):
             if r.reuse != "exact":
-                self._check_blend(r.reuse, i)
+                self.check_blend(r.reuse, i)
         seqs = [Sequence.from_request(r) for r in requests]
         for i, seq in enumerate(seqs):   # the scheduler's own check, for the whole batch before any is added
             self.scheduler.check_fits(seq, name=f"prompt {i}")
         return seqs
 
-    def _check_blend(self, blend, index: int) -> None:
-        """ValueError naming what keeps this engine from serving reuse=`blend`."""
+    def check_blend(self, blend, index: int = 0) -> None:
+        """ValueError naming what keeps this engine from serving reuse=`blend` (prompt `index` of a batch);
+        reads the config only, so a server may ask before queueing anything."""
         config = self.engine_config
         if not config.enable_prefix_caching:
             raise ValueError(f"prompt {index}: reuse={blend!r} needs enable_prefix_caching=True: a chunk's own K/V are "

@@ -319,7 +319,7 @@ def _composite(state: ServerState, req: CompletionRequest) -> tuple[list, str | 
         bad_policy = ext.policy is not None and ext.policy not in BLEND_POLICIES
         raise bad_request(str(e), "chunkwise.policy" if bad_policy else "chunkwise.recompute_ratio") from None
     # the engine's own refusal (no prefix caching, tensor parallelism), checked on its immutable config
-    _engine_check(engine._check_blend, blend, 0, param="chunkwise.reuse")
+    _engine_check(engine.check_blend, blend, 0, param="chunkwise.reuse")
     return pieces, blend, len(ids)
 
 
