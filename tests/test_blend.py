@@ -110,6 +110,8 @@ PINNED_LAYOUT = ((13, 9, 17), [("chunk", 1), ("text", [5, 6]), ("chunk", 0), ("c
 @example(family="qwen3", page_size=4, comp=PINNED_LAYOUT, blend=Blend(0.3, "chunk-heads"), seed=1)
 @example(family="llama", page_size=2, comp=PINNED_LAYOUT, blend=Blend(0.3), seed=2)
 @example(family="gemma3_text", page_size=1, comp=PINNED_LAYOUT, blend=Blend(0.1), seed=3)
+@example(family="qwen3", page_size=1, comp=((12, 8), [("chunk", 0), ("text", [5]), ("chunk", 1)]),
+         blend=Blend(0.25, "chunk-heads"), seed=4)   # ends on a chunk's stored token: the prompt's last is still computed
 @given(family=st.sampled_from(FAMILIES), page_size=st.sampled_from([1, 2, 4, 8]), comp=compositions(),
        blend=st.builds(Blend, st.sampled_from([0.0, 0.1, 0.3, 0.6]), st.sampled_from(["kv-deviation", "chunk-heads"])),
        seed=st.integers(0, 10**6))
