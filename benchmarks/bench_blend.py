@@ -243,7 +243,7 @@ def run(engine, model, tokenizer, tasks: list[Task], prompts: list, answers: lis
         on_mode=None) -> dict[str, dict]:
     """Every mode's metrics over `tasks` (their `prompts` and `answers` from build_prompts) on `engine`
     (chunkwise.Engine or chunkwise.reference.Engine); `model`: the reference model of the engine's checkpoint, for
-    teacher forcing; `tokenizer` decodes the outputs. `on_mode(results)` after each mode (partial results)."""
+    teacher forcing; `tokenizer` decodes the outputs. `on_mode(results)` once every mode's metrics are in."""
     stops = stop_ids(tokenizer, engine.model_config.eos_token_ids)
     params = [SamplingParams(max_tokens=len(a) + 4, stop_token_ids=stops) for a in answers]
     results, forced = {}, {}
