@@ -301,6 +301,46 @@ def test_logprobs_are_the_engines_for_completions_and_chat(engine, client):
     assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)   # greedy took the top one
 
 
+def test_logprobs_up_to_the_servers_max_are_served_and_one_more_refused(server, engine, client):
+    """logprobs (completions) and top_logprobs (chat) equal to --max-logprobs are served, the engine's top that
+    many per token; one more is a 400 naming the field."""
+    most = server.state.max_logprobs
+    want = expected(engine, [[44, 45]], max_tokens=2, logprobs=most, ignore_eos=True)[0]
+    # completions key the top entries by token text, so byte tokens decoding alike share one key
+    tops = [{engine.tokenizer.decode([u]) for u, _ in sorted(lps.items(), key=lambda kv: -kv[1])[:most]}
+            for lps in want.logprobs]
+    assert all(len(lps) >= most for lps in want.logprobs)
+    got = client.completions.create(model=MODEL, prompt=[44, 45], max_tokens=2, logprobs=most,
+                                    extra_body={"ignore_eos": True}, **GREEDY).choices[0]
+    assert got.finish_reason == "length" and [set(top) for top in got.logprobs.top_logprobs] == tops
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          logprobs=True, top_logprobs=most, extra_body={"ignore_eos": True},
+                                          **GREEDY).choices[0]
+    assert chat.finish_reason == "length" and [len(c.top_logprobs) for c in chat.logprobs.content] == [most, most]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=[44, 45], max_tokens=2, logprobs=most + 1)
+    assert error_of(e.value)["param"] == "logprobs" and str(most + 1) in error_of(e.value)["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       logprobs=True, top_logprobs=most + 1)
+    assert error_of(e.value)["param"] == "top_logprobs" and str(most + 1) in error_of(e.value)["message"]
+
+
+def test_a_refused_sample_leaves_none_of_its_requests_samples_queued(server, engine):
+    """A batched prompt whose second prompt the engine refuses (prompt + max_tokens over max_model_len): a 400
+    naming the limit, and the first prompt's sample, added before the refusal, is not left running unseen."""
+    wait_idle(engine)
+    fits = [5, 6]
+    too_long = [7] * (engine.max_model_len - LONG + 1)
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": [fits, too_long], "max_tokens": LONG, "ignore_eos": True, "temperature": 0})
+    assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"], r.text
+    # the engine thread takes the whole submission back before answering, so nothing may be queued by now
+    assert not engine.has_unfinished(), (f"{len(engine.scheduler.waiting)} waiting and "
+                                         f"{len(engine.scheduler.running)} running requests left by a refused request")
+    wait_idle(engine)
+
+
 def test_a_request_failing_inside_a_step_gets_500_alone(engine, client, monkeypatch):
     poison = 377
     execute = engine.executor.execute
