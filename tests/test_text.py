@@ -1,7 +1,7 @@
 """Output text on both engines, with a byte-level tokenizer covering every id of the tiny model (so text is never
 empty, and characters split across byte tokens occur): the engines' texts are equal, and a streamed request's
 pieces (StepOutput.new_text, from chunkwise.tokenizer.TextStream) join to its output's text, each split character
-arriving whole."""
+arriving whole; special tokens (an EOS the request stopped on) give no text, whole or streamed."""
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
@@ -17,6 +17,8 @@ EURO = [BYTE0 + b for b in "€".encode()]            # one character as three b
 SMILE = [BYTE0 + b for b in "😀".encode()]          # four
 PROMPTS = [[5, 9, 14, 3, 22, 8, 17], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70], [200, 150, 300]]
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
+EOS = 2                                 # the tiny checkpoints' eos_token_id: `byte_level_tokenizer`'s "</s>"
+STOPS_ON_EOS = [3, 5]                   # greedy on the tiny Qwen3 draws two byte tokens, then EOS
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +57,13 @@ def test_streamed_pieces_join_to_the_decoded_text_and_split_characters_arrive_wh
         assert pieces == ["", "", "€", ""]
 
 
+def test_special_tokens_decode_to_no_text_whole_or_streamed(tokenizer):
+    ids = [1, BYTE0 + ord("a"), 0, *EURO, EOS]   # <s> a <pad> € </s>
+    assert decode(tokenizer, ids) == "a€"
+    stream = TextStream(tokenizer)
+    assert "".join([stream.push([i]) for i in ids] + [stream.finish()]) == "a€"
+
+
 def stream_all(engine, prompts, params) -> dict[int, tuple[str, object]]:
     """Each prompt through add_request/step: (its new_text pieces joined, its output)."""
     rids = [engine.add_request(p, params) for p in prompts]
@@ -83,3 +92,19 @@ def test_both_engines_decode_the_same_nonempty_text_and_streamed_text_joins_to_i
     for (joined, out), w in zip(streamed, want):
         assert out.token_ids == w.token_ids
         assert joined == out.text == w.text
+
+
+def test_a_request_stopping_on_eos_has_no_eos_text_whole_or_streamed(tiny_ckpt_with_byte_tokenizer, tokenizer):
+    """The EOS a request stops on ends its token ids on both engines but adds nothing to its text or its stream."""
+    params = SamplingParams(max_tokens=8)
+    ref = chunkwise.reference.Engine(tiny_ckpt_with_byte_tokenizer, max_model_len=32)
+    eng = Engine(tiny_ckpt_with_byte_tokenizer, page_size=4, num_pages=16, max_model_len=32)
+    want = ref.generate([STOPS_ON_EOS], params)[0]
+    assert want.finish_reason == "stop" and want.token_ids[-1] == EOS and len(want.token_ids) > 1, \
+        f"greedy on {STOPS_ON_EOS} gives {want.token_ids} ({want.finish_reason}): pick a prompt that stops on EOS"
+    text = decode(tokenizer, want.token_ids[:-1])
+    assert text and want.text == text
+    got = eng.generate([STOPS_ON_EOS], params)[0]
+    assert (got.token_ids, got.finish_reason, got.text) == (want.token_ids, "stop", text)
+    [(joined, out)] = stream_all(eng, [STOPS_ON_EOS], params)
+    assert out.token_ids == want.token_ids and joined == out.text == text
