@@ -7,6 +7,8 @@ sequence from the split size, steps from the token budget, CUDA-graph buckets fr
 it, independently, so every remainder is reached; `@example`s pin the edges (remainder 0, 1 and page_size - 1, a
 page larger than max_model_len, a request of exactly max_model_len)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
@@ -15,6 +17,8 @@ import chunkwise.reference
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from chunkwise.checkpoints import tiny_checkpoint
 from chunkwise.engine import Engine, SamplingParams
+from chunkwise.engine import kv_cache
+from chunkwise.engine_config import DTYPES, EngineConfig
 
 pytestmark = pytest.mark.correctness
 
@@ -196,6 +200,28 @@ def test_a_request_needing_exactly_every_page_runs_and_one_page_more_is_refused(
         eng.generate([over], greedy(max_tokens))
     assert_whole(eng)
     run_and_compare(eng, ref, [prompt], greedy(max_tokens))   # again, now from the prefix cache
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_the_kv_pool_of_every_dtype_holds_the_pages_its_memory_holds_and_refuses_one_more(ckpt, monkeypatch, dtype):
+    """A page's bytes are what its K and V tensors take in the engine's dtype (torch's own element size): with
+    memory for exactly 40 such pages and a CPU cap of 10, the default pool is 10 pages, num_pages=40 is accepted
+    and 41 refused by name. (A float16 page counted as 4-byte elements would get 5 pages and refuse 40.)"""
+    def config(num_pages):
+        return EngineConfig(ckpt, dtype=dtype, device="cpu", page_size=4, max_model_len=64, num_pages=num_pages)
+
+    def pool(num_pages=None):
+        c = config(num_pages)
+        return kv_cache.pool_size(c, c.model_config.num_kv_heads, torch.device("cpu"))
+    one = kv_cache.KVCache(config(1), config(1).model_config.num_kv_heads, torch.device("cpu"))
+    assert all(t.dtype == DTYPES[dtype] for layer in one.layers for t in layer)
+    per_page = sum(t.nbytes for layer in one.layers for t in layer)   # numel * torch's element_size
+    monkeypatch.setattr(kv_cache.psutil, "virtual_memory", lambda: SimpleNamespace(available=40 * per_page))
+    monkeypatch.setattr(kv_cache, "CPU_KV_CACHE_CAP", 10 * per_page)
+    assert pool() == 10
+    assert pool(40) == 40
+    with pytest.raises(ValueError, match="^num_pages=41 of page_size=4 needs"):
+        pool(41)
 
 
 # ---- max_num_seqs and the CUDA-graph buckets derived from it ------------------------------------------------------
