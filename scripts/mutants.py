@@ -485,6 +485,70 @@ MUTANTS = [
            '"self_attn.o_proj.weight": (h, q_out),',
            '"self_attn.o_proj.weight": (q_out, h),',
            'the checkpoint check expects o_proj as [num_heads * head_dim, hidden] instead of [hidden, num_heads * head_dim], so a model whose heads * head_dim != hidden_size (Gemma 3 270m, any head_dim override) is refused'),
+    # ---- a second unplanted sample (2026-11-25), written the same way; the suite missed three (logprobs at the
+    # server's max, a refused sample leaving its request's earlier samples queued, EOS text in the output), and
+    # the float16 pool size was not checked: each now has a test in the smoke tier.
+    Mutant("serve_refuses_logprobs_at_max_logprobs", "chunkwise/serve/app.py",
+           "    if k is not None and not 0 <= k <= state.max_logprobs:\n",
+           "    if k is not None and not 0 <= k < state.max_logprobs:\n",
+           "the server refuses logprobs (or top_logprobs) equal to --max-logprobs (OpenAI's 20) with a 400, "
+           "though the message says it must be between 0 and 20"),
+    Mutant("serve_failed_submission_leaves_its_earlier_samples_queued", "chunkwise/serve/engine_loop.py",
+           "            except Exception as exc:   # validation: nothing of this submission stays queued\n"
+           "                for rid in rids:\n"
+           "                    self.engine.abort(rid)\n"
+           "                sub.future.set_exception(exc)\n",
+           "            except Exception as exc:   # validation: nothing of this submission stays queued\n"
+           "                sub.future.set_exception(exc)\n",
+           "when one sample of an HTTP request (a batched prompt, or n > 1) is refused by the engine, the client gets "
+           "a 400 but the samples added before it stay queued in the engine: they run to max_tokens unseen, holding "
+           "pages and counting as waiting/running"),
+    Mutant("output_text_keeps_special_tokens", "chunkwise/tokenizer.py",
+           "    return tokenizer.decode(token_ids, skip_special_tokens=True)\n",
+           "    return tokenizer.decode(token_ids)\n",
+           "generated text is decoded with the special tokens kept, so a request that stops on EOS (or <end_of_turn>) "
+           "returns and streams the token's text, e.g. a trailing '<eos>'"),
+    Mutant("composite_prompt_ignores_explicit_chunk_sizes", "chunkwise/requests.py",
+           "        if c is None and pc is not None:   # explicit chunk_sizes win over the pieces' boundaries\n",
+           "        if pc is not None:   # a composite prompt is prefilled piece by piece\n",
+           "a composite prompt (holding a Chunk) is always prefilled at its pieces' boundaries: the caller's explicit "
+           "chunk_sizes for it are silently ignored"),
+    Mutant("pool_check_counts_the_last_sampled_token", "chunkwise/engine/scheduler.py",
+           "        most = seq.num_prompt_tokens + seq.sampling_params.max_tokens - 1\n",
+           "        most = seq.num_prompt_tokens + seq.sampling_params.max_tokens\n",
+           "the pool check counts the last sampled token as cached, so a request that exactly fits the pool "
+           "(prompt + max_tokens - 1 filling every page) is refused as needing one page more than num_pages"),
+    Mutant("admission_counts_its_evictable_prefix_as_free", "chunkwise/engine/page_pool.py",
+           "        taken_evictable = sum(1 for page_id, _ in prefix if self.pages[page_id].ref_count == 0)\n"
+           "        return need <= self.num_free_pages - taken_evictable\n",
+           "        return need <= self.num_free_pages\n",
+           "admission counts the evictable cached pages of the request's own prefix hit as free pages for its new "
+           "tokens too, so under memory pressure a prefix-cache hit is admitted without room and the step's "
+           "allocation raises out of Engine.step"),
+    Mutant("pin_cap_refuses_pins_reaching_the_cap", "chunkwise/engine/llm_engine.py",
+           "        if pool.num_pinned_pages + num_new > cap:\n",
+           "        if pool.num_pinned_pages + num_new >= cap:\n",
+           "register_chunk(pin=True) is refused when the pinned pages would reach max_pinned_fraction of the pool "
+           "exactly, though the cap allows it"),
+    Mutant("gelu_tanh_argument_not_doubled", "chunkwise/kernels/activation.py",
+           "        z = 1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)\n",
+           "        z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)\n",
+           "the fused GELU(tanh) takes sqrt(2/pi) where x * sigmoid(2u) needs 2 * sqrt(2/pi), so Gemma's MLP "
+           "activation is wrong (silu models unaffected)"),
+    Mutant("sandwich_pre_norm_mean_over_padded_width", "chunkwise/kernels/fused_norm.py",
+           "        inv_rms = tl.rsqrt(tl.sum(x * x, axis=1, keep_dims=True) / hidden + eps)\n",
+           "        inv_rms = tl.rsqrt(tl.sum(x * x, axis=1, keep_dims=True) / BLOCK_N + eps)\n",
+           "the fused Gemma sandwich pre-norm (post-attention / post-FF norm) averages the squares over the padded "
+           "block width instead of hidden_size, so for a hidden size that is not a power of two (Gemma 3 270m: 640, "
+           "1b: 1152) that norm is too large"),
+    Mutant("kv_page_bytes_miss_float16", "chunkwise/engine/kv_cache.py",
+           "    \"\"\"Bytes one page takes over all layers, K and V (of `kv_heads` heads: a tensor-parallel rank's).\"\"\"\n"
+           "    elem = torch.empty((), dtype=dtype).element_size()\n",
+           "    \"\"\"Bytes one page takes over all layers, K and V (of `kv_heads` heads: a tensor-parallel rank's).\"\"\"\n"
+           "    elem = 2 if dtype == torch.bfloat16 else 4\n",
+           "a page's size in bytes is taken as 4-byte elements for float16, so a float16 engine sizes its KV pool "
+           "as if float32: half the pages its memory budget holds, and an explicit num_pages is checked against "
+           "twice its real size"),
 ]
 
 
