@@ -487,7 +487,8 @@ MUTANTS = [
            'the checkpoint check expects o_proj as [num_heads * head_dim, hidden] instead of [hidden, num_heads * head_dim], so a model whose heads * head_dim != hidden_size (Gemma 3 270m, any head_dim override) is refused'),
     # ---- a second unplanted sample (2026-11-25), written the same way; the suite missed three (logprobs at the
     # server's max, a refused sample leaving its request's earlier samples queued, EOS text in the output), and
-    # the float16 pool size was not checked: each now has a test in the smoke tier.
+    # the float16 pool size was not checked: each now has a test in the smoke tier. (The composite-prompt bug's
+    # `elif` follows blend mode's branch before it, written after the sample.)
     Mutant("serve_refuses_logprobs_at_max_logprobs", "chunkwise/serve/app.py",
            "    if k is not None and not 0 <= k <= state.max_logprobs:\n",
            "    if k is not None and not 0 <= k < state.max_logprobs:\n",
@@ -509,8 +510,8 @@ MUTANTS = [
            "generated text is decoded with the special tokens kept, so a request that stops on EOS (or <end_of_turn>) "
            "returns and streams the token's text, e.g. a trailing '<eos>'"),
     Mutant("composite_prompt_ignores_explicit_chunk_sizes", "chunkwise/requests.py",
-           "        if c is None and pc is not None:   # explicit chunk_sizes win over the pieces' boundaries\n",
-           "        if pc is not None:   # a composite prompt is prefilled piece by piece\n",
+           "        elif c is None and pc is not None:   # explicit chunk_sizes win over the pieces' boundaries\n",
+           "        elif pc is not None:   # a composite prompt is prefilled piece by piece\n",
            "a composite prompt (holding a Chunk) is always prefilled at its pieces' boundaries: the caller's explicit "
            "chunk_sizes for it are silently ignored"),
     Mutant("pool_check_counts_the_last_sampled_token", "chunkwise/engine/scheduler.py",
