@@ -71,6 +71,7 @@ SMOKE = (
     "tests/test_serve.py::test_logprobs_up_to_the_servers_max_are_served_and_one_more_refused",
     "tests/test_serve.py::test_a_refused_sample_leaves_none_of_its_requests_samples_queued",
     "tests/test_page_pool.py",
+    "tests/test_chunks.py::test_pieces_are_prefill_chunks_unless_chunk_sizes_are_given",
     "tests/test_chunks.py::test_a_pinned_system_chunk_is_reused_exactly_after_pressure_and_a_document_after_it",
     "tests/test_chunks.py::test_the_pin_cap_counts_pages_once_and_a_pin_leaving_a_queued_request_no_room_is_refused",
     "tests/test_blend.py::test_blended_kv_and_tokens_equal_the_reference_engines_blend",
