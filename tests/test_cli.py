@@ -100,3 +100,22 @@ def test_help_lists_builtin_names_and_dtypes(capsys):
     out = " ".join(capsys.readouterr().out.split())    # argparse wraps lines
     assert exit_.value.code == 0
     assert all(name in out for name in [*TINY_NAMES, *REAL_NAMES, *DTYPES, "--prompt-ids"])
+
+
+def test_a_reference_output_that_is_a_strict_prefix_is_reported_different(capsys, monkeypatch):
+    """One engine stopping early (e.g. on EOS) is a difference, not "identical"."""
+    import argparse
+    import types
+
+    import chunkwise.__main__ as cli
+
+    outs = {"chunkwise.engine": [5, 9, 2, 7], "chunkwise.reference": [5, 9]}
+    monkeypatch.setattr(cli, "run_engine", lambda name, args, params, prompt=None: (
+        None, [1, 2], types.SimpleNamespace(token_ids=outs[name]), 0.0, 0.0))
+    monkeypatch.setattr(cli, "report", lambda *a, **k: None)
+    args = argparse.Namespace(max_tokens=4, temperature=0.0, top_k=0, top_p=1.0, seed=None, no_reference=False)
+    cli.run(args)
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "DIFFERENT: first divergence at generated token 2"
+    outs["chunkwise.reference"] = [5, 9, 2, 7]
+    cli.run(args)
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "identical: 4 tokens"

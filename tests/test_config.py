@@ -126,3 +126,20 @@ def test_unreadable_config_json_is_a_value_error_naming_its_path(tmp_path, conte
     with pytest.raises(ValueError, match=message) as info:
         ModelConfig.from_dir(tmp_path)
     assert str(tmp_path / "config.json") in str(info.value)
+
+
+def test_transformers4_gemma3_scales_only_its_full_layers_rope_as_transformers_does():
+    """A Gemma 3 config.json in transformers 4's layout (rope_theta, rope_scaling, rope_local_base_freq): the
+    scaling belongs to the full-attention layers only, as transformers' own config reads it."""
+    from transformers import Gemma3TextConfig
+
+    d = hf_config_dict("gemma3_text")
+    d.pop("rope_parameters", None)
+    d.update(rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_local_base_freq=10000.0)
+    theirs = Gemma3TextConfig(**{k: v for k, v in d.items() if k not in ("model_type", "transformers_version")})
+    cfg = ModelConfig.from_dict(d)
+    for i, layer_type in enumerate(cfg.layer_types):
+        want = theirs.rope_parameters[layer_type]
+        rope = cfg.rope_for(i)
+        assert (rope.theta, rope.rope_type, rope.factor) == (want["rope_theta"], want["rope_type"],
+                                                             want.get("factor", 1.0)), layer_type

@@ -452,3 +452,18 @@ def test_serve_command_refuses_a_bad_engine_option_in_one_line(capsys):
     assert main(["serve", "--model", "tiny-qwen3", "--page-size", "0"]) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "page_size" in err and "0" in err
+
+
+@pytest.mark.parametrize("top_k,want", [(-1, 0), (0, 0), (1, 1), (7, 7)])
+def test_top_k_minus_one_and_zero_keep_every_token(top_k, want):
+    """vLLM's -1 ("every token") is accepted like 0; anything below is the engine's error naming top_k."""
+    from chunkwise.serve.protocol import CompletionRequest, parse
+    req = parse(CompletionRequest, {"model": "m", "prompt": [1, 2], "top_k": top_k})
+    assert req.sampling_params(4, None, 0).top_k == want
+
+
+def test_top_k_below_minus_one_is_refused_naming_it():
+    from chunkwise.serve.protocol import CompletionRequest, parse
+    req = parse(CompletionRequest, {"model": "m", "prompt": [1, 2], "top_k": -2})
+    with pytest.raises(ValueError, match="top_k"):
+        req.sampling_params(4, None, 0)
