@@ -21,9 +21,8 @@ import time
 import pytest
 import torch
 
-from benchmarks.bench_engine import QWEN3_0_6B_SHAPE
-from benchmarks.roofline import ModelCost, measure_ceilings, workload_roofline
-from chunkwise.checkpoints import tiny_checkpoint
+from benchmarks.bench_engine import QWEN3_0_6B_SHAPE, ceilings, ckpt  # noqa: F401  (fixtures: the same model, ceilings measured once)
+from benchmarks.roofline import ModelCost, workload_roofline
 from chunkwise.chunks import Blend
 from chunkwise.engine import Engine, SamplingParams
 from chunkwise.model_config import ModelConfig
@@ -38,19 +37,6 @@ RAG_REQUESTS, RAG_DOCS, RAG_OUTPUT = 256, 4, 128
 MODES = {"recompute": None, "exact": "exact", "blend r=0.15": Blend(0.15),
          "chunk-heads r=0.15": Blend(0.15, "chunk-heads")}
 RESULTS: dict[str, dict] = {}
-
-
-@pytest.fixture(scope="module")
-def ckpt():
-    return tiny_checkpoint("qwen3", seed=0, **QWEN3_0_6B_SHAPE)
-
-
-@pytest.fixture(scope="module")
-def ceilings():
-    c = measure_ceilings()
-    print(f"\nceilings: copy {c.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul {c.matmul_flops_per_s / 1e12:.0f} "
-          f"TFLOP/s ({torch.cuda.get_device_name()})")
-    return c
 
 
 @pytest.fixture(scope="module")

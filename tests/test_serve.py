@@ -15,7 +15,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from chunkwise.engine import Engine
 from chunkwise.sampling import SamplingParams
-from chunkwise.serve.cli import make_server
+from serving import serving
 from chunkwise.serve.stops import StopStrings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,20 +54,8 @@ def chat_ckpt(tiny_ckpt_with_byte_tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(chat_ckpt):
-    engine = Engine(chat_ckpt, dtype="float32", device="cpu")
-    srv = make_server(engine, MODEL, port=0, log_level="warning")
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    srv.url = f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
-    yield srv
-    srv.should_exit = True
-    thread.join(30)
-    srv.state.loop.stop()
-    engine.close()
+    with serving(Engine(chat_ckpt, dtype="float32", device="cpu"), MODEL) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from contextlib import contextmanager
-
 import httpx
 import openai
 import pytest
@@ -23,37 +21,17 @@ import pytest
 from chunkwise.chunks import Blend
 from chunkwise.engine import Engine
 from chunkwise.sampling import SamplingParams
-from chunkwise.serve.cli import make_server
+from serving import serving
 
 MODEL = "tiny-bytes"
 PAGE = 4
 SYS, DOC_A, DOC_B = [7, 8, 9, 10, 11, 12, 13, 14], list(range(40, 52)), list(range(60, 70))
 
 
-@contextmanager
-def serving(engine: Engine):
-    """A server over `engine` on a free port, run by a thread; `.url` is its address."""
-    srv = make_server(engine, MODEL, port=0, log_level="warning")
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    srv.url = f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
-    try:
-        yield srv
-    finally:
-        srv.should_exit = True
-        thread.join(30)
-        srv.state.loop.stop()
-        engine.close()
-
-
 @pytest.fixture(scope="module")
 def server(tiny_ckpt_with_byte_tokenizer):
     with serving(Engine(tiny_ckpt_with_byte_tokenizer, dtype="float32", device="cpu", page_size=PAGE,
-                        num_pages=64, max_model_len=128)) as srv:
+                        num_pages=64, max_model_len=128), MODEL) as srv:
         yield srv
 
 
@@ -287,7 +265,7 @@ def test_the_server_still_serves_composites_after_bad_inputs(server, client, chu
 
 def test_blend_refused_by_the_engine_config_is_a_400_with_its_message(tiny_ckpt_with_byte_tokenizer):
     with serving(Engine(tiny_ckpt_with_byte_tokenizer, dtype="float32", device="cpu", page_size=PAGE, num_pages=64,
-                        max_model_len=64, enable_prefix_caching=False)) as srv:
+                        max_model_len=64, enable_prefix_caching=False), MODEL) as srv:
         card = post(srv, "/v1/chunks", {"model": MODEL, "prompt": SYS}).json()
         assert post(srv, "/v1/chunks", {"model": MODEL, "prompt": SYS, "pin": True}).json()["error"]["param"] == "pin"
         r = post(srv, "/v1/completions", {"model": MODEL, "max_tokens": 1, "chunkwise": {

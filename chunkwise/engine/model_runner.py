@@ -111,8 +111,8 @@ class ModelRunner:
             ids = np.array([s.token_ids[-1] for s in seqs], np.int64)
             ids[pending] = -1
         blend, final = None, ends
-        jobs = [batch.blends.get(s.seq_id) for s in seqs[:len(prefill)]]
-        if any(j is not None for j in jobs):   # blended prefills: some rows start late or stop early
+        if batch.blends:   # blended prefills: some rows start late or stop early
+            jobs = [batch.blends.get(s.seq_id) for s in seqs[:len(prefill)]]
             keep0, final_n, blend = plan_rows(jobs, n, slots, len(prefill), [s.seq_id for s in seqs])
             ids, pos, slots = ids[keep0], pos[keep0], slots[keep0]
             ends, final = np.cumsum(np.add.reduceat(keep0.astype(np.int64), ends - n)), np.cumsum(final_n)
