@@ -224,10 +224,13 @@ class Model:
                             out=out, workspace=workspace)
 
     def _place(self, blend: BlendInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Every layer's stored chunk K/V to the candidates' slots, K re-rotated by its layer's RoPE."""
+        """Every layer's stored chunk K/V to the candidates' slots, K re-rotated by its layer's RoPE (the angles'
+        cos/sin made once per distinct RoPE config, not per layer)."""
+        angles = [rope_cos_sin(blend.deltas, inv_freq) for inv_freq in self.inv_freqs]
         for i, (k_cache, v_cache) in enumerate(kv_caches):
-            relocate_kv(k_cache, v_cache, blend.src_slots, blend.dst_slots, blend.deltas,
-                        self.inv_freqs[self.rope_index[i]])
+            r = self.rope_index[i]
+            relocate_kv(k_cache, v_cache, blend.src_slots, blend.dst_slots, blend.deltas, self.inv_freqs[r],
+                        cos_sin=angles[r])
 
     @staticmethod
     def _kv_rows(kv, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -102,10 +102,12 @@ def _relocate_kernel(
     tl.store(v_cache_ptr + dst_off + HALF, tl.load(v_cache_ptr + src_off + HALF, mask=ok), mask=ok)
 
 
-def relocate_kv(k_cache, v_cache, src_slots, dst_slots, deltas, inv_freq):
+def relocate_kv(k_cache, v_cache, src_slots, dst_slots, deltas, inv_freq, cos_sin=None):
     """For each i: K[dst_slots[i]] = K[src_slots[i]] rotated by deltas[i] * inv_freq, V[dst_slots[i]] =
     V[src_slots[i]], in one kernel launch (after the float32 cos/sin of the angles). The slots' values are
-    the caller's to keep inside the cache and disjoint (checking them would read them back to the host)."""
+    the caller's to keep inside the cache and disjoint (checking them would read them back to the host).
+    `cos_sin`: `rope_cos_sin(deltas, inv_freq)` when the caller already has it (every layer sharing a RoPE config
+    moves the same deltas)."""
     _check(k_cache, v_cache, src_slots, dst_slots, deltas, inv_freq)
     n = src_slots.shape[0]
     if n == 0:
@@ -114,7 +116,7 @@ def relocate_kv(k_cache, v_cache, src_slots, dst_slots, deltas, inv_freq):
     half = head_dim // 2
     half_pad = triton.next_power_of_2(half)
     heads_pad = triton.next_power_of_2(num_kv_heads)
-    cos, sin = rope_cos_sin(deltas, inv_freq)
+    cos, sin = rope_cos_sin(deltas, inv_freq) if cos_sin is None else cos_sin
     block_i = block_rows(heads_pad * 2 * half_pad, k_cache.device)
     _relocate_kernel[(triton.cdiv(n, block_i),)](
         k_cache, v_cache, src_slots, dst_slots, cos, sin, n, num_kv_heads,
