@@ -30,7 +30,7 @@ CPU_SPLIT_KV_THRESHOLD = 256
 REFERENCE_IGNORED = ("page_size", "num_pages", "gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs",
                      "enable_prefix_caching", "enforce_eager", "split_kv_threshold", "split_size", "cascade_attention",
                      "deterministic", "tensor_parallel_size", "custom_all_reduce", "async_scheduling",
-                     "max_pinned_fraction")
+                     "max_pinned_fraction", "max_graph_tokens")
 
 
 def _positive_int(name: str, value, low: int = 1) -> None:
@@ -54,6 +54,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_pinned_fraction: float = 0.5         # share of the pool that pinned chunks (register_chunk(pin=True)) may hold
     enforce_eager: bool = False              # no CUDA graphs
+    max_graph_tokens: int = 512              # mixed and prefill steps of up to this many tokens replay CUDA graphs
+                                             # (one device); 0: decode-only steps alone
     split_kv_threshold: int | None = None    # decodes of longer sequences take split-KV; None: 0 on GPU, 256 on CPU
     split_size: int | None = None            # split-KV split length in tokens (a multiple of the split-KV tile);
                                              # None: the kernels' default
@@ -88,6 +90,7 @@ class EngineConfig:
             _positive_int("num_pages", self.num_pages)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_graph_tokens", self.max_graph_tokens, low=0)
         if self.split_kv_threshold is not None:
             _positive_int("split_kv_threshold", self.split_kv_threshold, low=0)
         if self.split_size is not None:

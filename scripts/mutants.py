@@ -67,6 +67,7 @@ SELECTION = [
     "tests/test_engine_isolation.py",
     "tests/test_async_scheduling.py",
     "tests/test_cascade_engine.py",
+    "tests/test_step_graphs.py",
     "tests/test_deterministic.py",
     "tests/test_bf16_cpu.py",
     "tests/test_serve.py",
@@ -593,6 +594,17 @@ MUTANTS = [
            '    if first is None and len(tokens) == len(ref_tokens):\n',
            '    if first is None:\n',
            "python -m chunkwise prints 'identical: N tokens' when one engine's output is a strict prefix of the other's (e.g. one stopped early on EOS), instead of 'DIFFERENT: first divergence at ...'"),
+    # ---- mixed-step CUDA graphs ---------------------------------------------------------------------------
+    Mutant('mixed_graph_decodes_not_moved_past_padding', 'chunkwise/engine/cuda_graphs.py',
+           '            return np.where(rows < real, rows, rows + (prefill_rows - real))',
+           '            return np.where(rows < real, rows, rows)',
+           "a mixed graph's staging keeps the sampled and pending rows where they were in the unpadded batch, so a "
+           "decode's logits (or its pending id) come from a padding row once the prefill rows are padded"),
+    Mutant('mixed_graph_decode_lens_unpadded', 'chunkwise/engine/cuda_graphs.py',
+           '        lens[:d], lens[d:] = host.seq_lens[p:], 1',
+           '        lens[:d], lens[d:] = host.seq_lens[:d], 1',
+           "a graph step's decode lengths are taken from the start of the step's seq_lens (the prefilling "
+           "sequences'), not after them, so in a mixed step each decode attends over another sequence's length"),
 ]
 
 

@@ -2,9 +2,10 @@
 and launches its forward.
 
 Step inputs are built on the host with numpy (no per-token Python), packed into one buffer per dtype and copied
-once; page tables live on the device (`PageTables`). Decode-only batches replay CUDA graphs (`DecodeGraphs`), other
-steps run eagerly. The KV cache is `KVCache`'s; sampling is the `Sampler`'s, on rank 0 only. On GPU, construction
-runs a forward per kernel specialisation class, so a user's first workload compiles nothing.
+once; page tables live on the device (`PageTables`). Decode-only batches, and mixed ones of up to `max_graph_tokens`,
+replay CUDA graphs (`StepGraphs`); other steps run eagerly. The KV cache is `KVCache`'s; sampling is the `Sampler`'s,
+on rank 0 only. On GPU, construction runs a forward per kernel specialisation class, so a user's first workload
+compiles nothing.
 
 Tensor parallel (`tp`): this runner is one rank's, over its shard; it knows of the other ranks only through the
 `tp` handle whose collectives its forward calls. The executor (chunkwise/engine/parallel/executor.py) sends each
@@ -28,7 +29,7 @@ import torch
 from chunkwise.engine_config import EngineConfig
 from chunkwise.kernels.cascade import CascadeGroups, cascade_groups, cascade_item_size
 from chunkwise.engine.blend import BlendInputs, CheckLayer, plan_rows
-from chunkwise.engine.cuda_graphs import DecodeGraphs
+from chunkwise.engine.cuda_graphs import StepGraphs
 from chunkwise.engine.host_step import ALIGN, HostStep, Launched, fill_pending, synthetic_step
 from chunkwise.engine.kv_cache import KVCache
 from chunkwise.engine.model import Model, StepInputs
@@ -62,16 +63,16 @@ class ModelRunner:
         self.last_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.last_rows: dict[int, int] = {}
         self.last_blend: BlendInputs | None = None   # the last eager step's blending, once run (its kept rows)
-        self.graphs = DecodeGraphs(self.model, self.kv, tp, max_pages_per_seq=config.max_pages_per_seq,
-                                   page_size=self.page_size, split_size=self.split_size,
-                                   cascade_item_size=self.cascade_item_size, num_kv_heads=self.num_kv_heads,
-                                   device=self.device)
+        self.graphs = StepGraphs(self.model, self.kv, tp, max_pages_per_seq=config.max_pages_per_seq,
+                                 page_size=self.page_size, split_size=self.split_size,
+                                 cascade_item_size=self.cascade_item_size, num_kv_heads=self.num_kv_heads,
+                                 device=self.device, max_graph_tokens=config.max_graph_tokens)
         # Steps by kind ("decode", "cascade decode", "mixed": with prefill rows) and path ("graph", "eager").
         self.launches: Counter[tuple[str, str]] = Counter()
         if self.device.type == "cuda":
             self._warm_up()
             if not config.enforce_eager and self.split_kv_threshold == 0:
-                self.graphs.capture(config.max_num_seqs, self.cascade)
+                self.graphs.capture(config.max_num_seqs, self.cascade, config.max_num_batched_tokens)
 
     # ---- step inputs -------------------------------------------------------------------------------
     def prepare(self, batch) -> tuple[HostStep, list]:
@@ -230,8 +231,8 @@ class ModelRunner:
         return (tp.gather_logits(logits) if host.needs_logits else None), tokens
 
     def forward(self, host: HostStep) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logits, greedy tokens or None) of a prepared step: a CUDA graph replay for decode-only steps that fit
-        one (cascade steps through their own graphs; under tensor parallelism the graph also took the tokens), else
+        """(logits, greedy tokens or None) of a prepared step: a CUDA graph replay for steps that fit one (cascade
+        decode steps through their own graphs; under tensor parallelism the graph also took the tokens), else
         eager (no tokens). Logits are this rank's vocabulary slice under tensor parallelism. Counted in `launches`
         by (kind, path)."""
         kind = "mixed" if host.num_prefill else "cascade decode" if host.cascade is not None else "decode"

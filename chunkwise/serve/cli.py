@@ -39,7 +39,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", choices=list(DTYPES))
     e.add_argument("--device", help="cpu, cuda or cuda:k")
     for name in ("page_size", "max_model_len", "num_pages", "max_num_batched_tokens", "max_num_seqs",
-                 "tensor_parallel_size", "split_kv_threshold", "split_size"):
+                 "tensor_parallel_size", "split_kv_threshold", "split_size", "max_graph_tokens"):
         e.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
     e.add_argument("--gpu-memory-utilization", type=float)
     for name in ("enable_prefix_caching", "enforce_eager", "cascade_attention", "deterministic",
@@ -49,7 +49,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 ENGINE_OPTIONS = ("dtype", "device", "page_size", "max_model_len", "num_pages", "max_num_batched_tokens",
-                  "max_num_seqs", "tensor_parallel_size", "split_kv_threshold", "split_size",
+                  "max_num_seqs", "tensor_parallel_size", "split_kv_threshold", "split_size", "max_graph_tokens",
                   "gpu_memory_utilization", "enable_prefix_caching", "enforce_eager", "cascade_attention",
                   "deterministic", "async_scheduling", "custom_all_reduce")
 
