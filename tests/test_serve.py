@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from chunkwise.engine import Engine
 from chunkwise.sampling import SamplingParams
-from serving import serving
+from chunkwise.serve.cli import serving
 from chunkwise.serve.stops import StopStrings
 
 REPO = Path(__file__).resolve().parents[1]

@@ -21,7 +21,7 @@ import pytest
 from chunkwise.chunks import Blend
 from chunkwise.engine import Engine
 from chunkwise.sampling import SamplingParams
-from serving import serving
+from chunkwise.serve.cli import serving
 
 MODEL = "tiny-bytes"
 PAGE = 4

@@ -9,6 +9,9 @@ import argparse
 import logging
 import signal
 import sys
+import threading
+import time
+from contextlib import contextmanager
 
 import uvicorn
 
@@ -35,6 +38,18 @@ def parser() -> argparse.ArgumentParser:
                    help="requests that may wait for admission; more get 429 (default 1024)")
     p.add_argument("--max-logprobs", type=int, default=20, help="the most top logprobs a request may ask (20)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_options(p)
+    return p
+
+
+ENGINE_OPTIONS = ("dtype", "device", "page_size", "max_model_len", "num_pages", "max_num_batched_tokens",
+                  "max_num_seqs", "tensor_parallel_size", "split_kv_threshold", "split_size", "max_graph_tokens",
+                  "gpu_memory_utilization", "enable_prefix_caching", "enforce_eager", "cascade_attention",
+                  "deterministic", "async_scheduling", "custom_all_reduce")
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The engine's arguments as options (ENGINE_OPTIONS), each defaulting to None: the engine's own default."""
     e = p.add_argument_group("engine options (chunkwise.engine_config.EngineConfig; default: the engine's)")
     e.add_argument("--dtype", choices=list(DTYPES))
     e.add_argument("--device", help="cpu, cuda or cuda:k")
@@ -45,13 +60,11 @@ def parser() -> argparse.ArgumentParser:
     for name in ("enable_prefix_caching", "enforce_eager", "cascade_attention", "deterministic",
                  "async_scheduling", "custom_all_reduce"):
         e.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, dest=name)
-    return p
 
 
-ENGINE_OPTIONS = ("dtype", "device", "page_size", "max_model_len", "num_pages", "max_num_batched_tokens",
-                  "max_num_seqs", "tensor_parallel_size", "split_kv_threshold", "split_size", "max_graph_tokens",
-                  "gpu_memory_utilization", "enable_prefix_caching", "enforce_eager", "cascade_attention",
-                  "deterministic", "async_scheduling", "custom_all_reduce")
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine options given on the command line, as Engine(...) keywords."""
+    return {k: getattr(args, k) for k in ENGINE_OPTIONS if getattr(args, k) is not None}
 
 
 class Server(uvicorn.Server):
@@ -81,14 +94,35 @@ def make_server(engine, model_name: str, host: str = "127.0.0.1", port: int = 80
     return Server(config, state)
 
 
+@contextmanager
+def serving(engine, model_name: str, log_level: str = "warning"):
+    """A server over `engine` on a free 127.0.0.1 port, run by a thread: yields it (uvicorn's, with `.url` its
+    address) once it accepts connections; on exit stops it, its engine thread, and closes the engine."""
+    srv = make_server(engine, model_name, port=0, log_level=log_level)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not srv.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.05)
+    srv.url = f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
+    try:
+        yield srv
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+        srv.state.loop.stop()
+        engine.close()
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     from chunkwise.engine import Engine
 
-    kwargs = {k: getattr(args, k) for k in ENGINE_OPTIONS if getattr(args, k) is not None}
     try:
-        engine = Engine(args.model, **kwargs)
+        engine = Engine(args.model, **engine_kwargs(args))
     except KeyboardInterrupt:
         print("python -m chunkwise serve: interrupted", file=sys.stderr)
         return 130
