@@ -14,6 +14,8 @@ Per workload:
                Both runs are asserted to hit no prefix-cache page, and the timed run to compile no
                Triton kernel (every specialisation it uses was compiled before it).
   deterministic  chunkwise.Engine(deterministic=True), after a first run; its ratio to the default mode.
+  eager_mixed_steps  chunkwise.Engine(max_graph_tokens=0), after a first run: mixed and prefill steps eager
+               (decode-only steps still replay graphs); the default's ratio to it.
   sync_scheduling  chunkwise.Engine(async_scheduling=False), after a first run: the default mode without
                overlap scheduling (each step postprocessed before the next is scheduled); the default's
                ratio to it.
@@ -297,6 +299,13 @@ def test_sync_scheduling_engine(benchmark, ckpt, case, ceilings, cost):
                                         async_scheduling=False)
     record(case[0], "sync_scheduling", tokens, seconds, case[3], benchmark,
            default_vs_sync=round(default / (tokens / seconds), 3) if default else None)
+
+
+def test_eager_mixed_steps_engine(benchmark, ckpt, case, ceilings, cost):
+    """Engine(max_graph_tokens=0) on the same workload: what the mixed steps' CUDA graphs gain."""
+    tokens, seconds, default = _variant(benchmark, ckpt, case, cost, ceilings, max_graph_tokens=0)
+    record(case[0], "eager_mixed_steps", tokens, seconds, case[3], benchmark,
+           default_vs_eager_mixed=round(default / (tokens / seconds), 3) if default else None)
 
 
 def kernels_per_layer(eng: Engine) -> float:
