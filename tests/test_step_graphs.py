@@ -106,7 +106,7 @@ def test_mixed_steps_replay_graphs_with_the_eager_engines_bits_in_deterministic_
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (5, 70, 33, 130, 17, 2)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    kw = dict(max_model_len=256, max_num_batched_tokens=48, max_num_seqs=4, page_size=16)
+    kw = dict(max_model_len=256, max_num_batched_tokens=48, max_num_seqs=4, page_size=16, num_pages=64)
     runs = {}
     for eager in (False, True):
         with Engine(path, dtype="bfloat16", deterministic=True, enforce_eager=eager, **kw) as eng:
