@@ -467,16 +467,21 @@ class Bench:
         """Runs `run(requests) -> (start, traces)` on the rate's requests, timed; keeps its summary."""
         requests = self.workload.requests(rate, next(self.runs))
         steps, compiles = len(self.timer.steps), len(COMPILED)
+        launches = dict(self.engine.executor.runner.launches)
         start, traces = run(requests)
         check_traces(traces, requests, f"{mode} mode at {rate:g} req/s")
         if mode == "engine":
             self.engine_runs[rate] = requests, traces
-        r = dict(mode=mode, rate=rate, compiles=len(COMPILED) - compiles, **step_stats(self.timer.steps[steps:]),
+        # Steps by kind and path (CUDA graph or eager) during the run: what a latency tail came from.
+        paths = {f"{kind} {path}": n - launches.get((kind, path), 0)
+                 for (kind, path), n in self.engine.executor.runner.launches.items()}
+        r = dict(mode=mode, rate=rate, compiles=len(COMPILED) - compiles, launches=paths,
+                 **step_stats(self.timer.steps[steps:]),
                  **summarize(traces, start, self.args.ttft_target_ms, self.args.itl_target_ms))
         self.results["runs"].append(r)
         print(f"[{mode} {rate:g} req/s] {r['output_tokens_per_s']:.0f} tok/s; TTFT p50/p99 "
               f"{_ms(r['ttft_ms'], ('p50', 'p99'))} ms; ITL p50/p99 {_ms(r['itl_ms'], ('p50', 'p99'))} ms; goodput "
-              f"{r['goodput']['fraction']:.0%}; compiles {r['compiles']}", flush=True)
+              f"{r['goodput']['fraction']:.0%}; compiles {r['compiles']}; steps {paths}", flush=True)
 
     def engine_mode(self) -> None:
         warm = self.warmup_requests()
