@@ -4,13 +4,17 @@ pieces (StepOutput.new_text, from chunkwise.tokenizer.TextStream) join to its ou
 arriving whole; special tokens (an EOS the request stopped on) give no text, whole or streamed. Text prompts are
 the tokenizer's own ids with the special tokens it adds; text pieces of a composite prompt and text chunks are its ids
 without them."""
+import numpy as np
 import pytest
+import torch
 from hypothesis import example, given, settings, strategies as st
 
 import chunkwise.reference
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
+from chunkwise.chunks import ChunkRegistry
 from chunkwise.engine import Engine, SamplingParams
-from chunkwise.tokenizer import TextStream, decode, load_tokenizer
+from chunkwise.model_config import ModelConfig
+from chunkwise.tokenizer import TextStream, decode, encode_prompts, load_tokenizer
 
 pytestmark = pytest.mark.correctness
 
@@ -127,7 +131,6 @@ def bos_tokenizer(tiny_ckpt_with_byte_tokenizer):
 
 @pytest.fixture(scope="module")
 def qwen3_config(tiny_ckpt_with_byte_tokenizer):
-    from chunkwise.model_config import ModelConfig
     return ModelConfig.from_dir(tiny_ckpt_with_byte_tokenizer)
 
 
@@ -135,7 +138,6 @@ TEXTS = ["the cat", "é€ and 日本", " leading space", "a\nb"]
 
 
 def test_a_text_prompt_is_the_tokenizers_own_ids_with_the_special_tokens_it_adds(bos_tokenizer, qwen3_config):
-    from chunkwise.tokenizer import encode_prompts
     assert encode_prompts(TEXTS, bos_tokenizer, qwen3_config) == [bos_tokenizer(t).input_ids for t in TEXTS]
     assert encode_prompts("the cat", bos_tokenizer, qwen3_config) == [bos_tokenizer("the cat").input_ids]
     assert encode_prompts(["the cat", [7, 8]], bos_tokenizer, qwen3_config)[1] == [7, 8]   # ids are taken as given
@@ -143,8 +145,6 @@ def test_a_text_prompt_is_the_tokenizers_own_ids_with_the_special_tokens_it_adds
 
 def test_a_text_piece_or_chunk_is_the_tokenizers_ids_without_special_tokens(bos_tokenizer):
     """A composite prompt's text pieces and a registered text chunk concatenate exactly: no BOS in the middle."""
-    from chunkwise.chunks import ChunkRegistry
-
     registry = ChunkRegistry("test")
     plain = [bos_tokenizer(t, add_special_tokens=False).input_ids for t in TEXTS]
     assert registry.chunk_ids(TEXTS[1], bos_tokenizer, VOCAB) == plain[1]
@@ -181,13 +181,19 @@ def test_both_engines_take_a_text_prompt_as_the_tokenizers_ids(tiny_ckpt_with_by
     ([], ValueError, "non-empty list"),
 ])
 def test_an_empty_or_ill_typed_prompt_is_refused_naming_its_index(tokenizer, qwen3_config, prompt, error, match):
-    from chunkwise.tokenizer import encode_prompts
     with pytest.raises(error, match=match):
         encode_prompts(prompt, tokenizer, qwen3_config)
 
 
+def test_a_tensor_or_array_of_ids_is_one_prompt_or_a_batch_by_its_shape(qwen3_config):
+    assert encode_prompts(torch.tensor([5, 6, 7]), None, qwen3_config) == [[5, 6, 7]]
+    assert encode_prompts(np.array([[5, 6], [7, 8]]), None, qwen3_config) == [[5, 6], [7, 8]]
+    assert encode_prompts([np.array([5, 6]), torch.tensor([7])], None, qwen3_config) == [[5, 6], [7]]
+    ids, pieces = ChunkRegistry("test").pieces([np.array([5, 6]), [7]], None, 0)
+    assert ids == [5, 6, 7] and [p.num_tokens for p in pieces] == [2, 1]
+
+
 def test_a_text_prompt_without_a_tokenizer_is_refused_naming_the_prompt(qwen3_config):
-    from chunkwise.tokenizer import encode_prompts
     with pytest.raises(ValueError, match="prompt 1 is text but the checkpoint has no tokenizer"):
         encode_prompts([[5], "the cat"], None, qwen3_config)
     assert decode(None, [5, 6]) == ""
