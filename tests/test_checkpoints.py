@@ -1,4 +1,5 @@
-"""Tiny checkpoint factory, the checkpoint cache, resolve_model, and safetensors loading with its errors."""
+"""Tiny checkpoint factory, the checkpoint cache, resolve_model, and safetensors loading with its errors (shard
+indexes, dtypes, ignored buffers, per-rank slices)."""
 import fcntl
 import json
 import os
@@ -130,6 +131,24 @@ def test_a_build_waiting_on_another_process_lock_says_so(tmp_path, capsys):
     assert (target / "config.json").is_file()
 
 
+def test_a_directory_another_process_finished_while_we_waited_is_taken_as_it_is(tmp_path, capsys):
+    """The waiter checks the marker again once it holds the lock: what the other process built is not rebuilt."""
+    target, builds = tmp_path / "ckpt", []
+    with open(tmp_path / ".ckpt.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        waiter = threading.Thread(target=cached_dir, args=(target, "k1", builds.append))
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while "waiting for another process" not in capsys.readouterr().err and time.monotonic() < deadline:
+            time.sleep(0.05)
+        target.mkdir()   # the other process's build, marker last
+        (target / "config.json").write_text("{}")
+        (target / "COMPLETE").write_text("k1")
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        waiter.join(timeout=30)
+    assert builds == [] and sorted(p.name for p in target.iterdir()) == ["COMPLETE", "config.json"]
+
+
 def test_unknown_family_is_rejected():
     with pytest.raises(ValueError, match="gpt2"):
         tiny_checkpoint("gpt2")
@@ -195,3 +214,85 @@ def test_tied_checkpoint_accepts_lm_head_only_when_equal_to_embeddings(tmp_path)
     _rewrite(ckpt, lambda t: t["lm_head.weight"].mul_(2))
     with pytest.raises(ValueError, match="lm_head.weight"):
         load_weights(ckpt)
+
+
+# --- the rest of the loader's branches: shard indexes, dtypes, ignored buffers, per-rank slices ------------------
+
+def _shard(ckpt: Path, names_per_shard: dict[str, list[str]] | None = None) -> dict:
+    """Splits the single file into two shards plus their index (names alternating); returns the index."""
+    tensors = load_file(ckpt / "model.safetensors")
+    names = sorted(tensors)
+    shards = names_per_shard or {"a.safetensors": names[::2], "b.safetensors": names[1::2]}
+    for shard, shard_names in shards.items():
+        save_file({n: tensors[n] for n in shard_names}, ckpt / shard)
+    (ckpt / "model.safetensors").unlink()
+    index = {"weight_map": {n: shard for shard, ns in shards.items() for n in ns}}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    return index
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda ckpt, index: (ckpt / "model.safetensors.index.json").write_text("{not json"), "not a valid shard index"),
+    (lambda ckpt, index: (ckpt / "model.safetensors.index.json").write_text('{"metadata": {}}'),
+     "not a valid shard index"),
+    (lambda ckpt, index: (ckpt / "b.safetensors").unlink(), "mapped to b.safetensors, which is missing"),
+    (lambda ckpt, index: (ckpt / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {**index["weight_map"], "model.norm.weight": "b.safetensors"}})),
+     "'model.norm.weight' is listed for b.safetensors but that file lacks it"),
+])
+def test_a_bad_shard_index_is_a_value_error_naming_what_is_wrong(llama_copy, damage, message):
+    index = _shard(llama_copy)
+    assert index["weight_map"]["model.norm.weight"] == "a.safetensors"
+    damage(llama_copy, index)
+    with pytest.raises(ValueError, match=message):
+        load_weights(llama_copy)
+
+
+def test_a_saved_rotary_inv_freq_buffer_is_ignored(llama_copy):
+    want = load_weights(llama_copy)
+    _rewrite(llama_copy, lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}))
+    got = load_weights(llama_copy)
+    assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
+
+
+@pytest.mark.parametrize("dtype,want", [("bfloat16", torch.bfloat16), (torch.float16, torch.float16),
+                                        ("float64", torch.float64)])
+def test_weights_load_in_any_floating_dtype_by_name_or_dtype(dtype, want):
+    ckpt = tiny_checkpoint("llama")
+    weights = load_weights(ckpt, dtype)
+    single = load_file(ckpt / "model.safetensors")
+    assert all(t.dtype == want and torch.equal(t, single[n].to(want)) for n, t in weights.items())
+
+
+@pytest.mark.parametrize("dtype", ["int8", "nonsense", "Tensor", "bool"])
+def test_a_dtype_that_is_not_floating_point_is_refused_naming_it(dtype):
+    with pytest.raises(ValueError, match=f"dtype {dtype!r} is not a torch floating-point dtype"):
+        load_weights(tiny_checkpoint("llama"), dtype)
+
+
+def test_a_shard_function_replaces_each_tensor_by_its_slice_as_it_is_read():
+    ckpt = tiny_checkpoint("qwen2")
+    full = load_weights(ckpt)
+    seen = []
+
+    def first_rows(name, t):
+        seen.append(name)
+        return t[:1].clone()
+    sliced = load_weights(ckpt, shard=first_rows)
+    assert sorted(seen) == sorted(full) and all(torch.equal(sliced[n], full[n][:1]) for n in full)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_tiny_family_holds_exactly_the_tensors_its_config_implies(family):
+    """The factory's checkpoints (written by transformers) against expected_shapes: biases only where the family has
+    them (Qwen2's q/k/v, not o_proj), q/k norms for Qwen3 and Gemma 3, sandwich norms for Gemma 3, a tied head."""
+    ckpt = tiny_checkpoint(family)
+    cfg = ModelConfig.from_dir(ckpt)
+    tensors = load_file(ckpt / "model.safetensors")
+    assert {n: tuple(t.shape) for n, t in tensors.items()} == expected_shapes(cfg)
+    names = set(tensors)
+    assert ("model.layers.0.self_attn.q_proj.bias" in names) == (family == "qwen2")
+    assert "model.layers.0.self_attn.o_proj.bias" not in names
+    assert ("model.layers.0.self_attn.k_norm.weight" in names) == (family in ("qwen3", "gemma3_text"))
+    assert ("model.layers.1.pre_feedforward_layernorm.weight" in names) == (family == "gemma3_text")
+    assert ("lm_head.weight" in names) == (family != "gemma3_text")

@@ -1,6 +1,7 @@
 """`python -m chunkwise`: tiny built-ins run (with --prompt-ids or a seeded random prompt, said so), a live
 token counter, times that include loading, one-line errors with a non-zero exit, and --help listing the
-built-in names and dtypes."""
+built-in names and dtypes; every option reaching what it sets (the sampling params of both engines, the chunk size,
+`serve`'s engine and server options under their EngineConfig names), and with a tokenizer the prompt's text."""
 import os
 import subprocess
 import sys
@@ -13,7 +14,8 @@ import chunkwise.__main__ as cli
 from chunkwise.checkpoints import REAL_NAMES, TINY_NAMES
 from chunkwise.model_config import ModelConfig
 import chunkwise.engine.llm_engine
-from chunkwise.engine_config import DTYPES
+from chunkwise.engine_config import DTYPES, EngineConfig
+from chunkwise.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -119,3 +121,149 @@ def test_a_reference_output_that_is_a_strict_prefix_is_reported_different(capsys
     outs["chunkwise.reference"] = [5, 9, 2, 7]
     cli.run(args)
     assert capsys.readouterr().out.strip().splitlines()[-1] == "identical: 4 tokens"
+
+
+# ---- argument handling: each option reaches what it sets ---------------------------------------------------------
+
+def test_each_sampling_option_reaches_both_engines_params(monkeypatch):
+    import types
+
+    calls = []
+
+    def fake_run_engine(kind, args, params, prompt=None):
+        calls.append((kind, params, prompt, args.chunk_size, args.page_size, args.dtype, args.model))
+        return None, [5, 6], types.SimpleNamespace(token_ids=[1]), 0.0, 0.0
+    monkeypatch.setattr(cli, "run_engine", fake_run_engine)
+    monkeypatch.setattr(cli, "report", lambda *a, **k: None)
+    assert cli.main(["--model", "tiny-llama", "--prompt-ids", "5, 6", "--max-tokens", "5", "--temperature", "0.7",
+                     "--top-k", "3", "--top-p", "0.9", "--seed", "4", "--chunk-size", "2", "--page-size", "8",
+                     "--dtype", "bfloat16"]) == 0
+    want = SamplingParams(max_tokens=5, temperature=0.7, top_k=3, top_p=0.9, seed=4)
+    assert calls == [("chunkwise.engine", want, None, 2, 8, "bfloat16", "tiny-llama"),
+                     ("chunkwise.reference", want, [5, 6], 2, 8, "bfloat16", "tiny-llama")]
+    assert cli.parser().parse_args(["--prompt-ids", "7"]).prompt_ids == [7]
+
+
+def test_defaults_are_greedy_32_tokens_float32_pages_of_16_and_the_real_qwen():
+    args = cli.parser().parse_args([])
+    assert (args.model, args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed) == (
+        "qwen2.5-coder-0.5b", 32, 0.0, 0, 1.0, 0)
+    assert (args.dtype, args.page_size, args.chunk_size, args.no_reference) == ("float32", 16, None, False)
+
+
+def test_prompt_and_prompt_ids_are_mutually_exclusive(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--prompt", "x", "--prompt-ids", "1"])
+    assert exit_.value.code == 2 and "not allowed with" in capsys.readouterr().err
+
+
+def test_chunk_size_prefills_the_prompt_in_chunks_of_that_size(capsys, monkeypatch):
+    """--chunk-size reaches generate as the prompt's chunk length, on both engines, and the output is the same."""
+    seen = []
+    generate = chunkwise.engine.llm_engine.Engine.generate
+
+    def spy(self, prompts, params=None, chunk_sizes=None, **kw):
+        seen.append(chunk_sizes)
+        return generate(self, prompts, params, chunk_sizes=chunk_sizes, **kw)
+    monkeypatch.setattr(chunkwise.engine.llm_engine.Engine, "generate", spy)
+    assert cli.main(["--model", "tiny-qwen3", "--prompt-ids", "5,6,7,8,9", "--max-tokens", "3", "--chunk-size",
+                     "2"]) == 0
+    assert seen == [2] and "identical: 3 tokens" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,prompt_text", [
+    (["--prompt", "the quick brown"], "the quick brown"),
+    (["--prompt-ids", ",".join(str(3 + b) for b in b"the quick")], "the quick"),   # byte tokens: 3 + the byte
+    ([], cli.DEFAULT_PROMPT),
+])
+def test_with_a_tokenizer_the_report_prints_the_prompt_text_then_the_output_text(
+        capsys, tiny_ckpt_with_byte_tokenizer, argv, prompt_text):
+    """With a tokenizer: --prompt text, --prompt-ids decoded, or the default prompt text when neither is given, each
+    followed by the generated text, for both engines."""
+    assert cli.main(["--model", str(tiny_ckpt_with_byte_tokenizer), "--max-tokens", "2", *argv]) == 0
+    out = capsys.readouterr().out
+    assert out.count(prompt_text) == 2 and "identical: 2 tokens" in out and "random" not in out
+
+
+def test_an_interrupt_exits_130_in_one_line_and_traceback_shows_the_error(capsys, monkeypatch):
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "run", interrupted)
+    assert cli.main(["--model", "tiny-qwen3"]) == 130
+    assert capsys.readouterr().err == "python -m chunkwise: interrupted\n"
+
+    def failing(args):
+        raise ValueError("bad\nvalue")
+    monkeypatch.setattr(cli, "run", failing)
+    assert cli.main(["--model", "tiny-qwen3"]) == 1
+    assert capsys.readouterr().err == "python -m chunkwise: error: ValueError: bad value\n"
+    with pytest.raises(ValueError, match="bad"):
+        cli.main(["--model", "tiny-qwen3", "--traceback"])
+
+
+# ---- `python -m chunkwise serve`: each option reaches the engine or the server -----------------------------------
+
+@pytest.fixture
+def served(monkeypatch):
+    """Runs `serve` with the engine and the server replaced by recorders: what each was given."""
+    import signal
+    import types
+
+    import chunkwise.engine
+    import chunkwise.serve.cli as serve_cli
+
+    got = {}
+
+    class FakeEngine:
+        def __init__(self, model, **kw):
+            got["engine"] = (model, kw)
+
+        def close(self):
+            got["closed"] = True
+
+    def fake_make_server(engine, name, host, port, max_waiting, max_logprobs, log_level):
+        got["server"] = (name, host, port, max_waiting, max_logprobs, log_level)
+        return types.SimpleNamespace(run=lambda: None, started=True,
+                                     state=types.SimpleNamespace(loop=types.SimpleNamespace(stop=lambda: None)))
+    monkeypatch.setattr(chunkwise.engine, "Engine", FakeEngine)
+    monkeypatch.setattr(serve_cli, "make_server", fake_make_server)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)   # not the test process's own handlers
+    monkeypatch.setattr(serve_cli.logging, "basicConfig", lambda **kw: None)
+
+    def run(*argv) -> dict:
+        got.clear()
+        assert cli.main(["serve", *argv]) == 0
+        return dict(got)
+    return run
+
+
+def test_serve_passes_only_the_engine_options_given_and_the_server_options(served):
+    got = served("--model", "tiny-qwen3")
+    assert got["engine"] == ("tiny-qwen3", {}) and got["closed"]
+    assert got["server"] == ("tiny-qwen3", "127.0.0.1", 8000, 1024, 20, "info")
+    got = served("--model", "tiny-qwen3", "--served-model-name", "m", "--host", "0.0.0.0", "--port", "0",
+                 "--max-waiting", "3", "--max-logprobs", "5", "--log-level", "warning")
+    assert got["server"] == ("m", "0.0.0.0", 0, 3, 5, "warning")
+
+
+def test_serve_passes_every_engine_option_under_its_engine_config_name(served):
+    from chunkwise.serve.cli import ENGINE_OPTIONS
+
+    argv = ["--dtype", "bfloat16", "--device", "cpu", "--page-size", "8", "--max-model-len", "64", "--num-pages", "9",
+            "--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--tensor-parallel-size", "2",
+            "--split-kv-threshold", "0", "--split-size", "128", "--gpu-memory-utilization", "0.5",
+            "--no-enable-prefix-caching", "--enforce-eager", "--no-cascade-attention", "--deterministic",
+            "--async-scheduling", "--no-custom-all-reduce"]
+    model, kw = served("--model", "tiny-llama", *argv)["engine"]
+    assert model == "tiny-llama" and kw == {
+        "dtype": "bfloat16", "device": "cpu", "page_size": 8, "max_model_len": 64, "num_pages": 9,
+        "max_num_batched_tokens": 32, "max_num_seqs": 4, "tensor_parallel_size": 2, "split_kv_threshold": 0,
+        "split_size": 128, "gpu_memory_utilization": 0.5, "enable_prefix_caching": False, "enforce_eager": True,
+        "cascade_attention": False, "deterministic": True, "async_scheduling": True, "custom_all_reduce": False}
+    assert set(kw) == set(ENGINE_OPTIONS) and set(ENGINE_OPTIONS) <= set(EngineConfig.__dataclass_fields__)
+
+
+def test_serve_without_model_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve"])
+    assert exit_.value.code == 2 and "--model" in capsys.readouterr().err

@@ -9,6 +9,7 @@ page larger than max_model_len, a request of exactly max_model_len)."""
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
@@ -303,3 +304,66 @@ def test_a_prompt_of_exactly_the_token_budget_takes_one_step_and_one_token_more_
     assert all(sum(tokens) <= budget for _, tokens in batches)
     prefill = [sum(tokens) for _, tokens in batches][:-1]   # the steps before the one decode (max_tokens 2)
     assert prefill == [budget] * (n // budget) + ([n % budget] if n % budget else [])
+
+
+# ---- every other EngineConfig value, both sides of its limit (no engine is built: milliseconds each) -------------
+
+@pytest.mark.parametrize("field, accepted, refused", [
+    ("gpu_memory_utilization", [1.0, 1e-9, 1], [0.0, 1.0000001, -0.5, True, "0.5", None]),
+    ("max_pinned_fraction", [0.0, 0, 0.999], [1.0, 1, -1e-9, False, "0.5"]),
+    ("page_size", [1, np.int64(3)], [0, -1, 2.0, True, None]),
+    ("max_num_seqs", [1], [0, 1.5, False]),
+    ("max_num_batched_tokens", [1], [0, "8"]),
+    ("num_pages", [None, 1], [0, 3.0]),
+    ("split_kv_threshold", [None, 0, 1], [-1, 0.5]),
+    ("split_size", [None, 64, 128], [0, 32, 96, 64.0]),
+    ("max_model_len", [None, 2, 1024], [1, 1025, 2.0]),
+    ("enable_prefix_caching", [True, False], [1, "yes", None]),
+    ("enforce_eager", [False], [0]),
+    ("cascade_attention", [True], [None]),
+    ("deterministic", [False, True], ["true"]),
+    ("custom_all_reduce", [False], [1]),
+    ("async_scheduling", [None, True, False], [0, "no"]),
+    ("dtype", ["float32", "bfloat16", "float16", torch.float16], ["float64", torch.float64, "fp16", None, 32]),
+    ("device", [None, "cpu", torch.device("cpu")], ["tpu", "not a device", 3.5]),
+    ("tensor_parallel_size", [1, 2, 4], [0, 3, 8, 2.0]),
+])
+def test_each_engine_config_value_inside_its_limits_is_accepted_and_outside_refused_naming_it(
+        ckpt, field, accepted, refused):
+    """The tiny Qwen3 (4 query heads, 2 KV heads, intermediate 128, head_dim 16: split-KV tiles of 64, 1024
+    positions): tensor parallelism splits or replicates KV heads, so 4 ranks are accepted and 3 or 8 are not."""
+    for value in accepted:
+        config = EngineConfig(ckpt, **{field: value})
+        if value is not None and field not in ("dtype", "device"):
+            assert getattr(config, field) == value
+    for value in refused:
+        with pytest.raises(ValueError, match=field) as e:
+            EngineConfig(ckpt, **{field: value})
+        assert repr(value) in str(e.value) or str(value) in str(e.value), e.value
+
+
+def test_engine_config_defaults_resolve_as_documented_on_the_cpu(ckpt):
+    config = EngineConfig(ckpt)
+    assert (config.dtype, config.device, config.max_model_len) == (torch.float32, torch.device("cpu"), 1024)
+    assert (config.split_kv_threshold, config.split_size, config.async_scheduling) == (256, 512, False)
+    assert config.max_pages_per_seq == 64 and EngineConfig(ckpt, page_size=5, max_model_len=11).max_pages_per_seq == 3
+    assert EngineConfig(ckpt, dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_deterministic_tensor_parallelism_stops_at_two_ranks(ckpt):
+    assert EngineConfig(ckpt, deterministic=True, tensor_parallel_size=2).tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="deterministic=True supports tensor_parallel_size up to 2, got 4"):
+        EngineConfig(ckpt, deterministic=True, tensor_parallel_size=4)
+
+
+def test_the_default_cpu_pool_holds_every_running_sequence_at_full_length_below_the_cap(ckpt, monkeypatch):
+    """max_num_seqs sequences of max_model_len tokens (pages rounded up: 9 tokens take 3 pages of 4) when memory
+    allows; a machine without room for one page refuses the engine naming the page size."""
+    def pool(**kw):
+        c = EngineConfig(ckpt, device="cpu", page_size=4, max_model_len=9, **kw)
+        return kv_cache.pool_size(c, c.model_config.num_kv_heads, torch.device("cpu"))
+    assert pool(max_num_seqs=3) == 9 and pool(max_num_seqs=1) == 3
+    per_page = kv_cache.page_bytes(EngineConfig(ckpt).model_config, 4, torch.float32)
+    monkeypatch.setattr(kv_cache.psutil, "virtual_memory", lambda: SimpleNamespace(available=4 * per_page - 1))
+    with pytest.raises(ValueError, match="^page_size=4: one page of KV cache takes"):
+        pool(max_num_seqs=3)

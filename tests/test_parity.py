@@ -334,6 +334,24 @@ def test_seeded_sampling_tokens_and_logprobs_match_reference(model: Model, promp
         assert off_top > 0, "the pinned seeded case sampled only argmax tokens: it no longer tests sampled logprobs"
 
 
+def test_soft_capped_logits_give_hfs_logprobs_and_the_references_samples(hf_model, reference_engine):
+    """Gemma's final_logit_softcapping leaves greedy tokens alone (tanh is monotonic) but not logprobs or samples: the
+    engine's logprobs are the log-softmax of HF's capped logits, and its seeded samples are the reference's."""
+    cap = {"final_logit_softcapping": 2.0}
+    eng = Engine(tiny_checkpoint("gemma3_text", **cap), page_size=4, num_pages=32, max_model_len=64)
+    prompt = list(seeded_prompt(12, 3))
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=1, logprobs=3, ignore_eos=True)
+    out = eng.generate([prompt], params)[0]
+    assert out.token_ids == reference_engine("gemma3_text", **cap).generate([prompt], params)[0].token_ids
+    with torch.no_grad():
+        logits = hf_model("gemma3_text", **cap)(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
+    assert logits.abs().max() < 2.0
+    want = torch.log_softmax(logits.float(), dim=-1)
+    for j, lps in enumerate(out.logprobs):
+        assert len(lps) >= 3 and out.token_ids[j] in lps
+        assert all(abs(v - float(want[j, t])) < 1e-4 for t, v in lps.items()), (j, lps, want[j].topk(3))
+
+
 @settings(max_examples=2 * settings().max_examples)
 @given(data=st.data())
 def test_tokens_do_not_depend_on_chunking_or_page_size(data):

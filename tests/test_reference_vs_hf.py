@@ -91,6 +91,22 @@ def test_sliding_window_changes_logits_past_the_window(name, reference_engine, r
     assert (windowed[w:] - unwindowed[w:]).abs().amax(-1).min() > 1e-3
 
 
+SOFTCAP = 2.0   # below the tiny Gemma's largest logits (about 5), so the cap binds
+
+
+def test_gemma_soft_capped_logits_match_hf_and_are_capped(reference_engine, hf_model, random_prompt):
+    """final_logit_softcapping (cap * tanh(logits / cap)): the reference's logits are HF's, and the cap binds."""
+    eng = reference_engine("gemma3_text", final_logit_softcapping=SOFTCAP)
+    prompt = random_prompt(16, eng.model_config.vocab_size)
+    ours = eng.logits(prompt)
+    with torch.no_grad():
+        torch.testing.assert_close(ours, hf_model("gemma3_text", final_logit_softcapping=SOFTCAP)(
+            torch.tensor([prompt])).logits[0], **LOGITS_TOL)
+    uncapped = reference_engine("gemma3_text").logits(prompt)
+    assert uncapped.abs().max() > SOFTCAP > ours.abs().max()
+    torch.testing.assert_close(ours, SOFTCAP * torch.tanh(uncapped / SOFTCAP), **LOGITS_TOL)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["llama-gqa-untied", "mistral-window24", "qwen2-bias", "qwen3-qknorm",
                                   "gemma3-mqa-window8", "llama-mha-hd80-tied"])

@@ -3,6 +3,8 @@ client: its outputs are the engine's own (streamed or not, completions and chat,
 samples, logprobs, stop strings and stop ids), a client that disconnects mid-stream leaves no page behind, bad
 requests get OpenAI's error object and the server goes on, a request failing inside a step gets a 500 alone, a full
 queue a 429, /metrics parses and counts what was served, and SIGTERM aborts in-flight requests and exits cleanly.
+Every request field is parsed (strict types, OpenAI's defaults, fields not implemented refused past their no-op
+values) and reaches the engine's params; a second, small server serves requests up to its max_model_len.
 
 One server (a tiny Qwen3 with a byte-level tokenizer and a chat template, so outputs have text) serves the whole
 module from a thread; expected outputs come from the same engine's `generate`, which may share it with the server.
@@ -427,7 +429,9 @@ def test_stop_strings_end_the_text_where_the_first_one_completes_whatever_the_pi
         sent += piece
         if stopped:
             break
-    if not stopped:
+    if stopped:
+        assert watcher.push("abc") == ("", True), "text after the stop string was sent"
+    else:
         sent += watcher.flush()
     assert stopped == bool(ends)
     assert sent == (text[:min(ends)[1]] if ends else text)
@@ -454,3 +458,325 @@ def test_top_k_below_minus_one_is_refused_naming_it():
     req = parse(CompletionRequest, {"model": "m", "prompt": [1, 2], "top_k": -2})
     with pytest.raises(ValueError, match="top_k"):
         req.sampling_params(4, None, 0)
+
+
+# ---- every request field, parsed and mapped without a server (microseconds each) ------------------------------
+
+def completion(**fields):
+    from chunkwise.serve.protocol import CompletionRequest, parse
+    return parse(CompletionRequest, {"model": MODEL, "prompt": [5, 6], **fields})
+
+
+def chat_request(**fields):
+    from chunkwise.serve.protocol import ChatCompletionRequest, parse
+    return parse(ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+@pytest.mark.parametrize("make", [completion, chat_request])
+def test_each_sampling_field_reaches_the_engines_params_and_defaults_are_openais(make):
+    """Unset, a request samples at temperature 1 with every token kept (OpenAI's defaults), no seed, no stop ids;
+    set, each field is the engine's value, and the index-th of n seeded samples draws from seed + index."""
+    default = make().sampling_params(7, None, 0)
+    assert default == SamplingParams(max_tokens=7, temperature=1.0, top_k=0, top_p=1.0, seed=None, logprobs=None,
+                                     ignore_eos=False, stop_token_ids=())
+    req = make(temperature=0.3, top_p=0.75, top_k=5, seed=11, stop_token_ids=[9, 4], ignore_eos=True, n=3)
+    for index in range(3):
+        assert req.sampling_params(2, 4, index) == SamplingParams(
+            max_tokens=2, temperature=0.3, top_k=5, top_p=0.75, seed=11 + index, logprobs=4, ignore_eos=True,
+            stop_token_ids=(9, 4))
+    assert make(seed=0).sampling_params(1, None, 2).seed == 2    # a seed of 0 is a seed
+
+
+def refusal(make, fields) -> tuple[str | None, str]:
+    """(param, message) of the 400 refusing these fields, or (None, "") when the request is accepted."""
+    from chunkwise.serve.protocol import APIError
+    try:
+        req = make(**fields)
+        req.refuse_unsupported()
+        req.stop_strings()
+    except APIError as e:
+        assert e.status == 400, e.status
+        return e.param, e.message
+    return None, ""
+
+
+@pytest.mark.parametrize("make,accepted,refused,param", [
+    (completion, {"frequency_penalty": 0}, {"frequency_penalty": 0.5}, "frequency_penalty"),
+    (completion, {"frequency_penalty": 0.0}, {"frequency_penalty": -0.1}, "frequency_penalty"),
+    (completion, {"presence_penalty": 0}, {"presence_penalty": 1.5}, "presence_penalty"),
+    (chat_request, {"presence_penalty": None}, {"presence_penalty": 0.1}, "presence_penalty"),
+    (completion, {"logit_bias": {}}, {"logit_bias": {"5": 1.0}}, "logit_bias"),
+    (completion, {"n": 1}, {"n": 0}, "n"),
+    (chat_request, {"n": 2}, {"n": -1}, "n"),
+    (completion, {"stream": True, "stream_options": {"include_usage": True}},
+     {"stream_options": {"include_usage": True}}, "stream_options"),
+    (completion, {"echo": False}, {"echo": True}, "echo"),
+    (completion, {"suffix": ""}, {"suffix": "tail"}, "suffix"),
+    (completion, {"best_of": 2, "n": 2}, {"best_of": 3, "n": 2}, "best_of"),
+    (completion, {"best_of": None}, {"best_of": 2}, "best_of"),
+    (completion, {"stop": "ab"}, {"stop": ""}, "stop"),
+    (completion, {"stop": ["a", "b"]}, {"stop": ["a", ""]}, "stop"),
+    (completion, {"stop": None}, {"stop": [1]}, "stop"),
+    (chat_request, {"stop": ["x"]}, {"stop": {"x": 1}}, "stop"),
+    (chat_request, {"tools": None}, {"tools": []}, "tools"),
+    (chat_request, {"tool_choice": None}, {"tool_choice": "auto"}, "tool_choice"),
+    (chat_request, {"response_format": None}, {"response_format": {"type": "json_object"}}, "response_format"),
+    (chat_request, {"logprobs": True, "top_logprobs": 2}, {"top_logprobs": 2}, "top_logprobs"),
+    (chat_request, {"max_completion_tokens": 3}, {"max_completion_tokens": 3, "max_tokens": 3},
+     "max_completion_tokens"),
+    (chat_request, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+     {"messages": []}, "messages"),
+])
+def test_openai_fields_are_accepted_at_what_is_implemented_and_refused_past_it_naming_the_field(
+        make, accepted, refused, param):
+    """Fields OpenAI defines that the server does not implement are accepted at their no-op values and refused at any
+    other with a 400 naming the field, so no client gets an answer that silently ignored what it asked."""
+    assert refusal(make, accepted) == (None, "")
+    got, message = refusal(make, refused)
+    assert got == param and message, (got, message)
+
+
+@pytest.mark.parametrize("prompt,batch", [
+    ("the cat", ["the cat"]),
+    ([5, 6, 7], [[5, 6, 7]]),
+    (["a", "b c"], ["a", "b c"]),
+    ([[5], [6, 7]], [[5], [6, 7]]),
+    (["a", [6, 7]], ["a", [6, 7]]),
+])
+def test_a_completion_prompt_is_one_prompt_or_a_batch_as_openai_reads_it(prompt, batch):
+    assert completion(prompt=prompt).prompts() == batch
+
+
+@pytest.mark.parametrize("prompt", [None, [], {"a": 1}, [5, "a"], [[5], 6], [True], 5, [[5], [True]]])
+def test_a_prompt_of_any_other_shape_is_a_400_naming_prompt(prompt):
+    from chunkwise.serve.protocol import APIError
+    with pytest.raises(APIError) as e:
+        completion(prompt=prompt).prompts()
+    assert (e.value.status, e.value.param) == (400, "prompt")
+
+
+@pytest.mark.parametrize("make,fields,param", [
+    (completion, {"temperature": "1"}, "temperature"),
+    (completion, {"max_tokens": 1.5}, "max_tokens"),
+    (completion, {"max_tokens": True}, "max_tokens"),
+    (completion, {"n": 2.0}, "n"),
+    (completion, {"top_k": 1.0}, "top_k"),
+    (completion, {"seed": "7"}, "seed"),
+    (completion, {"stop_token_ids": [1.0]}, "stop_token_ids[0]"),
+    (completion, {"ignore_eos": 1}, "ignore_eos"),
+    (completion, {"logprobs": True}, "logprobs"),
+    (completion, {"stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
+    (chat_request, {"messages": [{"role": "user"}]}, "messages[0].content"),
+    (chat_request, {"messages": [{"role": "user", "content": "a", "extra": 1}]}, "messages[0].extra"),
+    (chat_request, {"logprobs": 1}, "logprobs"),
+])
+def test_a_field_of_the_wrong_type_is_a_400_naming_its_path(make, fields, param):
+    """Strict types, as OpenAI's API has them: no string for a number, no float or bool for an integer."""
+    from chunkwise.serve.protocol import APIError
+    with pytest.raises(APIError) as e:
+        make(**fields)
+    assert (e.value.status, e.value.param) == (400, param), e.value.message
+
+
+def test_chat_content_parts_join_and_a_part_other_than_text_is_named():
+    from chunkwise.serve.protocol import APIError
+    req = chat_request(messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": [
+        {"type": "text", "text": "a "}, {"type": "text", "text": "b"}]}])
+    assert req.chat() == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a b"}]
+    req = chat_request(messages=[{"role": "user", "content": "x"}, {"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "image_url"}]}])
+    with pytest.raises(APIError) as e:
+        req.chat()
+    assert e.value.param == "messages[1].content[1].type" and "image_url" in e.value.message
+
+
+# ---- request fields over HTTP: each one's effect is the engine's own output ------------------------------------
+
+def test_temperature_defaults_to_one_and_top_k_and_top_p_reach_the_sampler(engine, client):
+    """Unset, temperature is 1 (OpenAI's default): a seeded request is the engine's seeded sample at 1, as with
+    top_k=-1 (vLLM's "every token"); top_k=1 or a top_p below the top token's mass leave only the greedy token."""
+    prompt, seed = [61, 62, 63], 3
+    sampled = expected(engine, [prompt], max_tokens=4, temperature=1.0, seed=seed, ignore_eos=True)[0].text
+    greedy = expected(engine, [prompt], max_tokens=4, ignore_eos=True)[0].text
+    assert sampled != greedy, "the seed draws tokens greedy decoding would not: the test lost its power"
+
+    def ask(**fields) -> str:
+        body = {"ignore_eos": True, **{k: fields.pop(k) for k in list(fields) if k == "top_k"}}
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, seed=seed, extra_body=body,
+                                         **fields).choices[0].text
+    assert ask() == sampled, "no temperature given: not OpenAI's default of 1"
+    assert ask(temperature=1.0, top_k=-1) == sampled, "top_k=-1 restricted the tokens"
+    assert ask(temperature=1.0, top_k=1) == greedy, "top_k=1 kept more than the top token"
+    assert ask(temperature=1.0, top_p=1e-6) == greedy, "a tiny top_p kept more than the top token"
+
+
+def test_a_batch_of_prompts_with_n_samples_each_is_indexed_prompt_major(engine, client):
+    """OpenAI's order: choice p * n + j is the j-th sample of prompt p (seed + j); usage counts each prompt once."""
+    prompts = [[71, 72], [73, 74, 75]]
+    want = [expected(engine, [p], max_tokens=2, temperature=1.0, seed=20 + j, ignore_eos=True)[0].text
+            for p in prompts for j in range(2)]
+    got = client.completions.create(model=MODEL, prompt=prompts, max_tokens=2, n=2, seed=20,
+                                    extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == want
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (5, 8)
+
+
+def test_a_completion_without_max_tokens_generates_openais_default_of_16(client):
+    got = client.completions.create(model=MODEL, prompt=[76, 77], extra_body={"ignore_eos": True}, **GREEDY)
+    assert (got.usage.completion_tokens, got.choices[0].finish_reason) == (16, "length")
+
+
+def test_a_stop_string_alone_is_a_list_of_one_and_held_back_text_is_sent_when_the_request_ends(
+        engine, client):
+    """A stop string given alone is a list of one. Text that could begin a stop string is held back, and sent once
+    the request ends without the stop string completing, whole and streamed."""
+    want = expected(engine, [[21, 22, 23]], max_tokens=5, ignore_eos=True)[0].text
+    kw = dict(model=MODEL, prompt=[21, 22, 23], max_tokens=5, extra_body={"ignore_eos": True}, **GREEDY)
+    stop = want[2:4]
+    got = client.completions.create(stop=stop, **kw).choices[0]
+    assert (got.text, got.finish_reason) == (want[:want.find(stop)], "stop")
+    never = want[-1] + "\x00\x00"   # begins with the last character, so that character is held back to the end
+    assert never not in want
+    got = client.completions.create(stop=never, **kw).choices[0]
+    assert (got.text, got.finish_reason) == (want, "length")
+    pieces = [c.choices[0] for c in client.completions.create(stop=[never], stream=True, **kw)]
+    assert "".join(p.text for p in pieces) == want and pieces[-1].finish_reason == "length"
+
+
+def test_completion_logprobs_streamed_equal_whole_and_offsets_count_the_token_text(client):
+    """Each token's text_offset is the length of the token texts before it (continued across streamed events),
+    and the streamed tokens, logprobs and offsets are the whole answer's."""
+    kw = dict(model=MODEL, prompt=[81, 82, 83], max_tokens=4, logprobs=1, extra_body={"ignore_eos": True}, **GREEDY)
+    whole = client.completions.create(**kw).choices[0].logprobs
+    assert whole.text_offset == [sum(len(t) for t in whole.tokens[:i]) for i in range(len(whole.tokens))]
+    assert whole.text_offset[-1] > 0
+    events = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert [t for e in events for t in e.tokens] == whole.tokens
+    assert [o for e in events for o in e.text_offset] == whole.text_offset
+    assert [lp for e in events for lp in e.token_logprobs] == whole.token_logprobs
+
+
+def test_chat_logprobs_without_top_logprobs_hold_each_tokens_own_and_no_top_list(engine, client):
+    messages = [{"role": "user", "content": "hi"}]
+    want = expected(engine, [chat_ids(engine, messages)], max_tokens=3, logprobs=0, ignore_eos=True)[0]
+    got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, logprobs=True,
+                                         extra_body={"ignore_eos": True}, **GREEDY).choices[0].logprobs.content
+    assert [c.token for c in got] == [engine.tokenizer.decode([t]) for t in want.token_ids]
+    assert [c.logprob for c in got] == pytest.approx([lp[t] for t, lp in zip(want.token_ids, want.logprobs)],
+                                                     abs=1e-5)
+    assert all(c.top_logprobs == [] and c.bytes == list(c.token.encode()) for c in got)
+
+
+def test_models_lists_the_served_model_with_its_max_model_len(server, engine):
+    card = httpx.get(server.url + "/v1/models").json()["data"]
+    assert [(c["id"], c["object"], c["max_model_len"]) for c in card] == [(MODEL, "model", engine.max_model_len)]
+
+
+def test_without_a_tokenizer_text_prompts_and_stop_strings_are_refused_and_tokens_named_by_id(
+        engine, client, monkeypatch):
+    """A model without a tokenizer: text prompts and stop strings are 400s naming the field; logprobs name each token
+    "token_id:N" (vLLM's form), with no text and so every text_offset 0."""
+    want = expected(engine, [[84, 85]], max_tokens=2, logprobs=0, ignore_eos=True)[0]
+    monkeypatch.setattr(engine, "tokenizer", None)
+    for fields, param in (({"prompt": "the cat"}, "prompt"), ({"prompt": [84, 85], "stop": "x"}, "stop")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, max_tokens=2, **fields)
+        assert error_of(e.value)["param"] == param
+    got = client.completions.create(model=MODEL, prompt=[84, 85], max_tokens=2, logprobs=0,
+                                    extra_body={"ignore_eos": True}, **GREEDY).choices[0]
+    assert got.text == "" and got.logprobs.tokens == [f"token_id:{t}" for t in want.token_ids]
+    assert got.logprobs.text_offset == [0, 0]
+
+
+@pytest.mark.parametrize("method,path,status", [("GET", "/v1/completions", 405), ("POST", "/v1/nothing", 404),
+                                                ("GET", "/v1/models/x/y", 404)])
+def test_an_unknown_path_or_method_gets_openais_error_object(server, method, path, status):
+    r = httpx.request(method, server.url + path)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == "invalid_request_error"   # a client's error, as every 4xx is
+
+
+def test_a_chat_template_refusing_the_messages_is_a_400_naming_messages(engine, client, monkeypatch):
+    monkeypatch.setattr(engine.tokenizer, "chat_template", "{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    err = error_of(e.value)
+    assert err["param"] == "messages" and "roles must alternate" in err["message"]
+
+
+def test_while_shutting_down_health_and_requests_get_503(server, client):
+    server.state.accepting = False
+    try:
+        assert httpx.get(server.url + "/health").status_code == 503
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(model=MODEL, prompt=[5], max_tokens=1)
+        assert e.value.status_code == 503 and error_of(e.value)["type"] == "server_error"
+    finally:
+        server.state.accepting = True
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def chat_ids(engine, messages) -> list[int]:
+    ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+SMALL_LEN = 20   # the small server's max_model_len: room for 4 tokens after a chat of "hi"
+
+
+@pytest.fixture(scope="module")
+def small(chat_ckpt):
+    """A second server whose max_model_len is small enough to generate up to it."""
+    with serving(Engine(chat_ckpt, dtype="float32", device="cpu", page_size=4, max_model_len=SMALL_LEN), MODEL) as srv:
+        srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        yield srv
+
+
+def test_a_chat_without_max_tokens_may_generate_up_to_max_model_len(small):
+    engine = small.state.engine
+    messages = [{"role": "user", "content": "hi"}]
+    room = SMALL_LEN - len(chat_ids(engine, messages))
+    assert room == 4
+    got = small.client.chat.completions.create(model=MODEL, messages=messages, extra_body={"ignore_eos": True},
+                                               **GREEDY)
+    assert (got.usage.completion_tokens, got.choices[0].finish_reason) == (room, "length")
+    assert got.choices[0].message.content == expected(engine, [chat_ids(engine, messages)], max_tokens=room,
+                                                      ignore_eos=True)[0].text
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_prompt_plus_max_tokens_of_exactly_max_model_len_is_served_and_one_more_is_a_400(small, chat):
+    engine, client = small.state.engine, small.client
+    messages = [{"role": "user", "content": "hi"}]
+    prompt = chat_ids(engine, messages) if chat else list(range(90, 90 + SMALL_LEN - 3))
+
+    def ask(max_tokens: int):
+        if chat:
+            return client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=max_tokens,
+                                                  extra_body={"ignore_eos": True}, **GREEDY)
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                         extra_body={"ignore_eos": True}, **GREEDY)
+    room = SMALL_LEN - len(prompt)
+    assert ask(room).usage.completion_tokens == room
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(room + 1)
+    assert "max_model_len" in error_of(e.value)["message"] and str(room + 1) in error_of(e.value)["message"]
+
+
+def test_an_engine_failing_outside_a_step_ends_its_requests_with_500_and_then_answers_503(chat_ckpt):
+    """The engine raising out of step() (not one request's failure, which a step contains): the request in flight
+    gets a 500 naming the error, and from then on /health and every request get a 503 saying the engine failed."""
+    with serving(Engine(chat_ckpt, dtype="float32", device="cpu", page_size=4, max_model_len=32), MODEL) as srv:
+        def lost():
+            raise RuntimeError("device lost")
+        srv.state.engine.step = lost
+        ask = dict(model=MODEL, prompt=[5, 6], max_tokens=2)
+        r = httpx.post(srv.url + "/v1/completions", json=ask, timeout=60)
+        assert r.status_code == 500 and "device lost" in r.json()["error"]["message"], r.text
+        for method, path, body in (("GET", "/health", None), ("POST", "/v1/completions", ask),
+                                   ("POST", "/v1/chunks", {"model": MODEL, "prompt": [5, 6]})):
+            r = httpx.request(method, srv.url + path, json=body, timeout=60)
+            assert r.status_code == 503 and "the engine failed: RuntimeError: device lost" in r.json()["error"][
+                "message"], (path, r.text)

@@ -1,14 +1,20 @@
 """Output text on both engines, with a byte-level tokenizer covering every id of the tiny model (so text is never
 empty, and characters split across byte tokens occur): the engines' texts are equal, and a streamed request's
 pieces (StepOutput.new_text, from chunkwise.tokenizer.TextStream) join to its output's text, each split character
-arriving whole; special tokens (an EOS the request stopped on) give no text, whole or streamed."""
+arriving whole; special tokens (an EOS the request stopped on) give no text, whole or streamed. Text prompts are
+the tokenizer's own ids with the special tokens it adds; text pieces of a composite prompt and text chunks are its ids
+without them."""
+import numpy as np
 import pytest
+import torch
 from hypothesis import example, given, settings, strategies as st
 
 import chunkwise.reference
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
+from chunkwise.chunks import ChunkRegistry
 from chunkwise.engine import Engine, SamplingParams
-from chunkwise.tokenizer import TextStream, decode, load_tokenizer
+from chunkwise.model_config import ModelConfig
+from chunkwise.tokenizer import TextStream, decode, encode_prompts, load_tokenizer
 
 pytestmark = pytest.mark.correctness
 
@@ -108,3 +114,86 @@ def test_a_request_stopping_on_eos_has_no_eos_text_whole_or_streamed(tiny_ckpt_w
     assert (got.token_ids, got.finish_reason, got.text) == (want.token_ids, "stop", text)
     [(joined, out)] = stream_all(eng, [STOPS_ON_EOS], params)
     assert out.token_ids == want.token_ids and joined == out.text == text
+
+
+# ---- text prompts: the tokenizer's ids, special tokens where the tokenizer adds them and not in chunks -------------
+
+@pytest.fixture(scope="module")
+def bos_tokenizer(tiny_ckpt_with_byte_tokenizer):
+    """The byte-level tokenizer made to open every encoded text with <s> (id 1), as Llama's and Gemma's do."""
+    from tokenizers import processors
+
+    tok = load_tokenizer(tiny_ckpt_with_byte_tokenizer)
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    assert tok("a").input_ids == [1, BYTE0 + ord("a")], "the fixture's tokenizer adds no BOS"
+    return tok
+
+
+@pytest.fixture(scope="module")
+def qwen3_config(tiny_ckpt_with_byte_tokenizer):
+    return ModelConfig.from_dir(tiny_ckpt_with_byte_tokenizer)
+
+
+TEXTS = ["the cat", "é€ and 日本", " leading space", "a\nb"]
+
+
+def test_a_text_prompt_is_the_tokenizers_own_ids_with_the_special_tokens_it_adds(bos_tokenizer, qwen3_config):
+    assert encode_prompts(TEXTS, bos_tokenizer, qwen3_config) == [bos_tokenizer(t).input_ids for t in TEXTS]
+    assert encode_prompts("the cat", bos_tokenizer, qwen3_config) == [bos_tokenizer("the cat").input_ids]
+    assert encode_prompts(["the cat", [7, 8]], bos_tokenizer, qwen3_config)[1] == [7, 8]   # ids are taken as given
+
+
+def test_a_text_piece_or_chunk_is_the_tokenizers_ids_without_special_tokens(bos_tokenizer):
+    """A composite prompt's text pieces and a registered text chunk concatenate exactly: no BOS in the middle."""
+    registry = ChunkRegistry("test")
+    plain = [bos_tokenizer(t, add_special_tokens=False).input_ids for t in TEXTS]
+    assert registry.chunk_ids(TEXTS[1], bos_tokenizer, VOCAB) == plain[1]
+    chunk = registry.issue(registry.chunk_ids(TEXTS[0], bos_tokenizer, VOCAB))
+    ids, pieces = registry.pieces([[1], chunk, TEXTS[1], [9, 10]], bos_tokenizer, 0)
+    assert ids == [1] + plain[0] + plain[1] + [9, 10]
+    assert [(p.chunk, p.num_tokens) for p in pieces] == [(None, 1), (chunk, len(plain[0])), (None, len(plain[1])),
+                                                         (None, 2)]
+
+
+def test_both_engines_take_a_text_prompt_as_the_tokenizers_ids(tiny_ckpt_with_byte_tokenizer):
+    tok = load_tokenizer(tiny_ckpt_with_byte_tokenizer)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    ref = chunkwise.reference.Engine(tiny_ckpt_with_byte_tokenizer, max_model_len=32)
+    eng = Engine(tiny_ckpt_with_byte_tokenizer, page_size=4, num_pages=16, max_model_len=32)
+    want = ref.generate([tok(TEXTS[1]).input_ids], params)[0]
+    for engine in (ref, eng):
+        out = engine.generate(TEXTS[1], params)[0]
+        assert (out.prompt_token_ids, out.token_ids, out.text) == (want.prompt_token_ids, want.token_ids, want.text)
+    rid = eng.add_request(TEXTS[1], params)
+    outs = []
+    while eng.has_unfinished():
+        outs += [o for o in eng.step() if o.request_id == rid]
+    assert outs[-1].output.prompt_token_ids == want.prompt_token_ids
+    assert "".join(o.new_text for o in outs) == want.text
+
+
+@pytest.mark.parametrize("prompt,error,match", [
+    ("", ValueError, "prompt 0 is empty"),
+    (["the cat", ""], ValueError, "prompt 1 is empty"),
+    ([[]], ValueError, "prompt 0 is empty"),
+    (["ok", 3], TypeError, "prompt 1 must be a string or a list of token ids, got int 3"),
+    ([[1, 2], [3, None]], TypeError, "prompt 1 holds NoneType None"),
+    ([], ValueError, "non-empty list"),
+])
+def test_an_empty_or_ill_typed_prompt_is_refused_naming_its_index(tokenizer, qwen3_config, prompt, error, match):
+    with pytest.raises(error, match=match):
+        encode_prompts(prompt, tokenizer, qwen3_config)
+
+
+def test_a_tensor_or_array_of_ids_is_one_prompt_or_a_batch_by_its_shape(qwen3_config):
+    assert encode_prompts(torch.tensor([5, 6, 7]), None, qwen3_config) == [[5, 6, 7]]
+    assert encode_prompts(np.array([[5, 6], [7, 8]]), None, qwen3_config) == [[5, 6], [7, 8]]
+    assert encode_prompts([np.array([5, 6]), torch.tensor([7])], None, qwen3_config) == [[5, 6], [7]]
+    ids, pieces = ChunkRegistry("test").pieces([np.array([5, 6]), [7]], None, 0)
+    assert ids == [5, 6, 7] and [p.num_tokens for p in pieces] == [2, 1]
+
+
+def test_a_text_prompt_without_a_tokenizer_is_refused_naming_the_prompt(qwen3_config):
+    with pytest.raises(ValueError, match="prompt 1 is text but the checkpoint has no tokenizer"):
+        encode_prompts([[5], "the cat"], None, qwen3_config)
+    assert decode(None, [5, 6]) == ""

@@ -33,7 +33,8 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "server_error"),
+        kind = _ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind,
                           "param": self.param, "code": self.code}}
 
 
