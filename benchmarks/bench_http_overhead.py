@@ -39,13 +39,14 @@ from chunkwise.serve.cli import make_server
 
 MODEL = "fake"
 VOCAB = 1000
-PIECE = " tok"   # each token's text: a short word, as most tokens are
 
 
 class FakeEngine:
-    """What the server's engine thread and request handlers use of chunkwise.Engine, generating token ids
-    1, 2, 3, ... with text PIECE and no model; each step first sleeps `step_s`. Its own CPU time in step() is
-    summed in `busy_s`, and each step's start is recorded in `starts`."""
+    """What the server's engine thread and request handlers use of chunkwise.Engine, without a model: a request
+    whose prompt begins with p generates the ids p + 1, p + 2, ... (modulo the vocabulary, never 0), each with the
+    text " <id>" and, if asked, logprobs giving it -0.5 and its top rivals u = 1, 2, ... -1 - u; each step first
+    sleeps `step_s`. Its own CPU time in step() is summed in `busy_s`, and each step's start is recorded in
+    `starts`."""
 
     def __init__(self, step_s: float):
         self.step_s = step_s
@@ -77,7 +78,7 @@ class FakeEngine:
         began = time.thread_time()
         outs = []
         for rid, r in list(self.scheduler.running.items()):
-            token = len(r.tokens) % (VOCAB - 1) + 1
+            token = (r.ids[0] + len(r.tokens)) % (VOCAB - 1) + 1
             r.tokens.append(token)
             lps = None if r.params.logprobs is None else [{token: -0.5, **{u: -1.0 - u for u in range(
                 1, r.params.logprobs + 1) if u != token}}]
@@ -85,8 +86,9 @@ class FakeEngine:
             out = None
             if done:
                 del self.scheduler.running[rid]
-                out = RequestOutput(rid, r.ids, r.tokens, text=PIECE * len(r.tokens), finish_reason="length")
-            outs.append(StepOutput(rid, [token], lps, "length" if done else None, out, new_text=PIECE))
+                out = RequestOutput(rid, r.ids, r.tokens, text="".join(f" {t}" for t in r.tokens),
+                                    finish_reason="length")
+            outs.append(StepOutput(rid, [token], lps, "length" if done else None, out, new_text=f" {token}"))
         self.busy_s += time.thread_time() - began
         return outs
 
