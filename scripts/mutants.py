@@ -72,6 +72,7 @@ SELECTION = [
     "tests/test_bf16_cpu.py",
     "tests/test_serve.py",
     "tests/test_serve_chunks.py",
+    "tests/test_serve_streaming.py",
     "tests/test_tensor_parallel_lifecycle.py",
 ]
 SMOKE_MARKER = "smoke"   # conftest.py runs these first in any selection

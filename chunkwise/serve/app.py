@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from json.encoder import encode_basestring_ascii as _json_str   # a str as json.dumps writes it (ensure_ascii)
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -68,7 +69,7 @@ class _Choice:
     error: str | None = None
     ended: bool = False                  # the engine's last output arrived (after a stop string: its abort's)
     chunk_reuse: list[dict] | None = None   # the engine's report, once ended
-    held: tuple | None = None            # streamed: the finishing event's (delta, pairs), until chunk_reuse comes
+    held: tuple | None = None            # streamed: the finishing event's (piece, pairs), until chunk_reuse comes
 
     def feed(self, out) -> tuple[str, list[tuple[int, dict[int, float]]]]:
         """The text and (token, logprobs) pairs that `out` adds, with stop strings cut; sets finish_reason when the
@@ -367,6 +368,10 @@ class _Reply:
         self.created = now()
         self.tokenizer = state.engine.tokenizer
         self.offsets = [0] * len(choices)   # completions' text_offset: characters of token text so far
+        # every streamed event's JSON up to its choices, as json.dumps writes it: only the choices vary
+        head = {"id": self.id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": self.created, "model": state.model_name}
+        self._head = "data: " + json.dumps(head)[:-1] + ', "choices": ['
 
     # ---- driving -------------------------------------------------------------------------------------
     async def _next(self):
@@ -417,23 +422,24 @@ class _Reply:
         """The events; whatever is still running when they end is aborted by `_AbortingStream`."""
         if self.chat:   # the role first, as OpenAI sends it
             for c in self.choices:
-                yield self._event([self._chunk_choice(c, {"role": "assistant", "content": ""}, [], None)])
+                role = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}
+                yield self._event([json.dumps(role)])
         while self._open():
             choice, piece, pairs, was_open = await self._next()
             if not was_open:
                 if choice.held is not None and choice.ended:   # a stop string's end, now with chunk_reuse
-                    yield self._event([self._chunk_choice(choice, *choice.held, choice.finish_reason)])
+                    yield self._event([self._choice_json(choice, *choice.held, choice.finish_reason)])
                     choice.held = None
                 continue
             if choice.finish_reason == "error":   # the others are aborted
                 yield f"data: {json.dumps(self._error(choice).body())}\n\n"
                 break
             # one event per engine output, text or not, so a client sees each token's arrival
-            delta = {"content": piece} if self.chat else piece
             if self.composite and choice.finish_reason is not None and not choice.ended:
-                choice.held = (delta, pairs)   # sent with chunk_reuse once the engine's abort output comes
+                choice.held = (piece, pairs)   # sent with chunk_reuse once the engine's abort output comes
                 continue
-            yield self._event([self._chunk_choice(choice, delta, pairs, choice.finish_reason)])
+            yield self._event([self._choice_json(choice, piece, pairs, choice.finish_reason)])
         else:
             if self.req.stream_options is not None and self.req.stream_options.include_usage:
                 yield self._event([], usage=self._usage())
@@ -458,21 +464,22 @@ class _Reply:
                 "created": self.created, "model": self.state.model_name, "choices": choices,
                 "usage": self._usage()}
 
-    def _chunk_choice(self, c: _Choice, delta, pairs, finish_reason) -> dict:
-        lp = self._logprobs(c, pairs) if self.k is not None and pairs else None
+    def _choice_json(self, c: _Choice, piece: str, pairs, finish_reason) -> str:
+        """One streamed choice, {"index", "delta" (chat: {"content"}) or "text", "logprobs", "finish_reason"[,
+        "chunk_reuse"]}, written as json.dumps writes that dict but without building it: this runs per token."""
+        lp = json.dumps(self._logprobs(c, pairs)) if self.k is not None and pairs else "null"
+        reason = "null" if finish_reason is None else _json_str(finish_reason)
         if self.chat:
-            return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
-        out = {"index": c.index, "text": delta, "logprobs": lp, "finish_reason": finish_reason}
-        if self.composite and finish_reason is not None:
-            out["chunk_reuse"] = c.chunk_reuse
-        return out
+            return (f'{{"index": {c.index}, "delta": {{"content": {_json_str(piece)}}}, "logprobs": {lp}, '
+                    f'"finish_reason": {reason}}}')
+        reuse = f', "chunk_reuse": {json.dumps(c.chunk_reuse)}' if self.composite and finish_reason is not None else ""
+        return f'{{"index": {c.index}, "text": {_json_str(piece)}, "logprobs": {lp}, "finish_reason": {reason}{reuse}}}'
 
-    def _event(self, choices: list[dict], usage: dict | None = None) -> str:
-        chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                 "created": self.created, "model": self.state.model_name, "choices": choices}
-        if usage is not None:
-            chunk["usage"] = usage
-        return f"data: {json.dumps(chunk)}\n\n"
+    def _event(self, choices: list[str], usage: dict | None = None) -> str:
+        """The SSE event of a chunk {"id", "object", "created", "model", "choices"[, "usage"]} whose choices are
+        given as JSON text."""
+        tail = "]" if usage is None else f'], "usage": {json.dumps(usage)}'
+        return f"{self._head}{', '.join(choices)}{tail}}}\n\n"
 
     def _token(self, token_id: int) -> str:
         # Without a tokenizer a token is named by its id, in vLLM's "token_id:N" form.

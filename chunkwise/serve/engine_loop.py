@@ -4,8 +4,9 @@ One thread owns the engine: it takes aborts, calls (`call`: chunk registration a
 from its inbox between steps (abort, the call, add_request), then steps while any request is unfinished, and
 sleeps when none is. The event loop never waits on
 the engine: a submission is put in the inbox and answered through a future (the request ids, or the engine's
-TypeError/ValueError naming the bad value); every StepOutput goes to its request's queue through
-`loop.call_soon_threadsafe`, tagged with the sample's index within its HTTP request (n > 1, batched prompts).
+TypeError/ValueError naming the bad value); every StepOutput goes to its request's queue, tagged with the sample's
+index within its HTTP request (n > 1, batched prompts), a step's outputs together through one
+`loop.call_soon_threadsafe` (not one per token: each wakes the event loop with a socket write).
 Because the same thread adds a request and later routes its outputs, no output can arrive before its queue is
 known.
 
@@ -208,31 +209,48 @@ class EngineLoop:
             self._deliver([StepOutput(rid, [], None, "error", out)])
 
     def _deliver(self, outs: list[StepOutput]) -> None:
+        """Hands a step's outputs to their requests' queues with one call per event loop (each call wakes the
+        loop through a socket write, and may lose the GIL to it): the engine thread only sorts them."""
         now = time.monotonic()
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        tokens = 0
         for out in outs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             if out.new_token_ids:
-                self._time_token(stream, now, len(out.new_token_ids))
+                tokens += len(out.new_token_ids)
+                self._time_token(stream, now)
             if out.finished:
                 del self._streams[out.request_id]
                 if self.metrics is not None:
                     self.metrics.e2e.observe(now - stream.arrival)
                     self.metrics.finished(out.finish_reason)
+            batch = batches.get(stream.loop)
+            if batch is None:
+                batch = batches[stream.loop] = []
+            batch.append((stream.queue, stream.index, out))
+        if tokens and self.metrics is not None:
+            self.metrics.generation_tokens.inc(tokens)
+        for loop, batch in batches.items():
             try:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (stream.index, out))
+                loop.call_soon_threadsafe(_route, batch)
             except RuntimeError:   # the event loop has closed: nobody is listening any more
                 pass
 
-    def _time_token(self, stream: _Stream, now: float, n: int) -> None:
+    def _time_token(self, stream: _Stream, now: float) -> None:
         if self.metrics is not None:
             if stream.last_token is None:
                 self.metrics.ttft.observe(now - stream.arrival)
             else:
                 self.metrics.itl.observe(now - stream.last_token)
-            self.metrics.generation_tokens.inc(n)
         stream.last_token = now
+
+
+def _route(batch: list[tuple[asyncio.Queue, int, StepOutput]]) -> None:
+    """On the event loop: one step's outputs into their requests' queues, in the step's order."""
+    for q, index, out in batch:
+        q.put_nowait((index, out))
 
 
 def _drained(q: queue.Queue):

@@ -1,0 +1,193 @@
+"""The OpenAI server's host cost per streamed token, without a model: CPU microseconds of the server process per
+token, and how late the engine thread's steps come, with N concurrent streaming clients over real HTTP.
+
+    PYTHONPATH=$PWD python -m benchmarks.bench_http_overhead                      # N = 1, 16, 64
+    PYTHONPATH=$PWD python -m benchmarks.bench_http_overhead --clients 16 --profile out/http.prof
+
+The engine is a stand-in (`FakeEngine`): each step sleeps --step-ms without the GIL, as a GPU step's wait does, then
+hands every running request one token (with its logprobs if asked), so whatever the server spends per token is the
+server's own: chunkwise.serve's engine thread (routing each output to its request) and its event loop (the
+request's queue, the chunk's JSON, the SSE framing, starlette and uvicorn's send). The server runs in this process
+as `python -m chunkwise serve` runs it (uvicorn, the engine on its own thread); the clients (httpx, asyncio, one
+streamed /v1/completions request at a time each, ignore_eos) run in a child process so parsing their streams takes
+no GIL time from the server.
+Reported per N, over the timed rounds (after a warm-up round): server CPU µs per token (this process's CPU time,
+less the stand-in engine's own step work, over the tokens streamed), tokens/s, and the engine thread's lateness per
+step: the time between two step() calls beyond --step-ms (p50/p99). Every Python microsecond the event loop spends
+holds the GIL the engine thread needs to start its next step, so lateness is what a decode step's inter-token
+latency gains from serving over HTTP. On a machine with other work the tokens/s and lateness move with it; CPU per
+token much less.
+--profile writes cProfile's statistics of the event loop's thread and of the engine thread (two files, .loop and
+.engine appended) for the first N.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import multiprocessing
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from types import SimpleNamespace
+
+import numpy as np
+
+from chunkwise.engine.llm_engine import StepOutput
+from chunkwise.sampling import RequestOutput
+from chunkwise.serve.cli import make_server
+
+MODEL = "fake"
+VOCAB = 1000
+
+
+class FakeEngine:
+    """What the server's engine thread and request handlers use of chunkwise.Engine, without a model: a request
+    whose prompt begins with p generates the ids p + 1, p + 2, ... (modulo the vocabulary, never 0), each with the
+    text " <id>" and, if asked, logprobs giving it -0.5 and its top rivals u = 1, 2, ... -1 - u; each step first
+    sleeps `step_s`. Its own CPU time in step() is summed in `busy_s`, and each step's start is recorded in
+    `starts`."""
+
+    def __init__(self, step_s: float):
+        self.step_s = step_s
+        self.tokenizer = None
+        self.max_model_len = 1 << 20
+        self.model_config = SimpleNamespace(vocab_size=VOCAB)
+        self.engine_config = SimpleNamespace(path=MODEL)
+        self.scheduler = SimpleNamespace(waiting=[], running={})
+        self.page_pool = SimpleNamespace(num_pages=1, num_free_pages=1)
+        self.busy_s = 0.0
+        self.starts: list[float] = []
+        self._next_id = 0
+
+    def add_request(self, ids, params, reuse="exact") -> int:
+        rid, self._next_id = self._next_id, self._next_id + 1
+        self.scheduler.running[rid] = SimpleNamespace(ids=list(ids), params=params, tokens=[])
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.running)
+
+    def abort(self, rid: int) -> RequestOutput | None:
+        r = self.scheduler.running.pop(rid, None)
+        return None if r is None else RequestOutput(rid, r.ids, r.tokens, finish_reason="abort")
+
+    def step(self) -> list[StepOutput]:
+        self.starts.append(time.perf_counter())
+        time.sleep(self.step_s)
+        began = time.thread_time()
+        outs = []
+        for rid, r in list(self.scheduler.running.items()):
+            token = (r.ids[0] + len(r.tokens)) % (VOCAB - 1) + 1
+            r.tokens.append(token)
+            lps = None if r.params.logprobs is None else [{token: -0.5, **{u: -1.0 - u for u in range(
+                1, r.params.logprobs + 1) if u != token}}]
+            done = len(r.tokens) >= r.params.max_tokens
+            out = None
+            if done:
+                del self.scheduler.running[rid]
+                out = RequestOutput(rid, r.ids, r.tokens, text="".join(f" {t}" for t in r.tokens),
+                                    finish_reason="length")
+            outs.append(StepOutput(rid, [token], lps, "length" if done else None, out, new_text=f" {token}"))
+        self.busy_s += time.thread_time() - began
+        return outs
+
+    def close(self) -> None:
+        pass
+
+
+# ---- the clients: a child process -----------------------------------------------------------------------------------
+def clients(url: str, num: int, requests: int, max_tokens: int, logprobs: int | None) -> int:
+    """`num` clients, each streaming `requests` completions one after another; the data events received."""
+    return asyncio.run(_clients(url, num, requests, max_tokens, logprobs))
+
+
+async def _clients(url: str, num: int, requests: int, max_tokens: int, logprobs: int | None) -> int:
+    import httpx
+
+    body = dict(model=MODEL, prompt=[1, 2, 3], max_tokens=max_tokens, ignore_eos=True, stream=True,
+                **({} if logprobs is None else {"logprobs": logprobs}))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as client:
+        async def one() -> int:
+            events = 0
+            for _ in range(requests):
+                async with client.stream("POST", "/v1/completions", json=body) as resp:
+                    assert resp.status_code == 200, resp.status_code
+                    async for line in resp.aiter_lines():
+                        events += line.startswith("data: {")
+            return events
+        return sum(await asyncio.gather(*(one() for _ in range(num))))
+
+
+# ---- the server: this process ---------------------------------------------------------------------------------------
+def measure(args, num: int, profile: str | None) -> dict:
+    engine = FakeEngine(args.step_ms / 1e3)
+    srv = make_server(engine, MODEL, port=0, log_level="warning")
+    loop = srv.state.loop
+    # cProfile follows the thread that enables it: the event loop's is ours to start, the engine thread runs
+    # what `loop.call` gives it
+    on_loop, on_engine = (cProfile.Profile(), cProfile.Profile()) if profile else (None, None)
+    thread = threading.Thread(target=srv.run if on_loop is None else lambda: on_loop.runcall(srv.run), daemon=True)
+    thread.start()
+    if on_engine is not None:
+        loop.call(on_engine.enable).result()
+    while not srv.started:
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
+    spawn = multiprocessing.get_context("spawn")
+    try:
+        with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+            pool.submit(clients, url, num, 1, args.max_tokens, args.logprobs).result()   # warm-up
+            engine.starts.clear()
+            busy, cpu, wall = engine.busy_s, time.process_time(), time.perf_counter()
+            events = pool.submit(clients, url, num, args.requests, args.max_tokens, args.logprobs).result()
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu - (engine.busy_s - busy)
+            starts = np.array(engine.starts)
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+        if on_engine is not None:
+            loop.call(on_engine.disable).result()
+        loop.stop()
+    tokens = num * args.requests * args.max_tokens
+    if events != tokens:
+        raise RuntimeError(f"{num} clients: {events} events for {tokens} tokens")
+    if profile:
+        on_loop.dump_stats(profile + ".loop")
+        on_engine.dump_stats(profile + ".engine")
+    late = np.diff(starts) * 1e3 - args.step_ms   # between two steps, beyond the step's own sleep
+    # steps with only a few streams running (their ramp up and down) are counted too: all are the server's
+    return dict(clients=num, tokens=tokens, cpu_us_per_token=cpu / tokens * 1e6, tokens_per_s=tokens / wall,
+                late_ms_p50=float(np.percentile(late, 50)), late_ms_p99=float(np.percentile(late, 99)),
+                steps=len(starts))
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64], help="N concurrent streams (1 16 64)")
+    p.add_argument("--requests", type=int, default=4, help="timed requests per client, one after another (4)")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens per request (256)")
+    p.add_argument("--step-ms", type=float, default=2.0, help="each fake step's sleep, without the GIL (2.0)")
+    p.add_argument("--logprobs", type=int, default=None, help="ask logprobs=K (default: none, as bench_serving)")
+    p.add_argument("--profile", help="write cProfile statistics here (.loop, .engine) for the first N")
+    args = p.parse_args(argv)
+    bad = [n for n in args.clients if n < 1]
+    if bad or args.requests < 1 or args.max_tokens < 1 or args.step_ms < 0:
+        p.error(f"--clients, --requests and --max-tokens must be >= 1 and --step-ms >= 0, got clients {args.clients},"
+                f" requests {args.requests}, max tokens {args.max_tokens}, step {args.step_ms} ms")
+    rows = []
+    print(f"step {args.step_ms:g} ms, {args.max_tokens} tokens x {args.requests} requests per client, logprobs "
+          f"{args.logprobs}")
+    print("| clients | server CPU µs/token | tokens/s | step lateness p50 / p99 ms | steps |")
+    print("|--:|--:|--:|--:|--:|")
+    for i, num in enumerate(args.clients):
+        r = measure(args, num, args.profile if i == 0 else None)
+        rows.append(r)
+        print(f"| {num} | {r['cpu_us_per_token']:.1f} | {r['tokens_per_s']:.0f} | {r['late_ms_p50']:.2f} / "
+              f"{r['late_ms_p99']:.2f} | {r['steps']} |", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
