@@ -251,14 +251,16 @@ def test_serve_passes_every_engine_option_under_its_engine_config_name(served):
 
     argv = ["--dtype", "bfloat16", "--device", "cpu", "--page-size", "8", "--max-model-len", "64", "--num-pages", "9",
             "--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--tensor-parallel-size", "2",
-            "--split-kv-threshold", "0", "--split-size", "128", "--gpu-memory-utilization", "0.5",
+            "--split-kv-threshold", "0", "--split-size", "128", "--max-graph-tokens", "64",
+            "--gpu-memory-utilization", "0.5",
             "--no-enable-prefix-caching", "--enforce-eager", "--no-cascade-attention", "--deterministic",
             "--async-scheduling", "--no-custom-all-reduce"]
     model, kw = served("--model", "tiny-llama", *argv)["engine"]
     assert model == "tiny-llama" and kw == {
         "dtype": "bfloat16", "device": "cpu", "page_size": 8, "max_model_len": 64, "num_pages": 9,
         "max_num_batched_tokens": 32, "max_num_seqs": 4, "tensor_parallel_size": 2, "split_kv_threshold": 0,
-        "split_size": 128, "gpu_memory_utilization": 0.5, "enable_prefix_caching": False, "enforce_eager": True,
+        "split_size": 128, "max_graph_tokens": 64, "gpu_memory_utilization": 0.5, "enable_prefix_caching": False,
+        "enforce_eager": True,
         "cascade_attention": False, "deterministic": True, "async_scheduling": True, "custom_all_reduce": False}
     assert set(kw) == set(ENGINE_OPTIONS) and set(ENGINE_OPTIONS) <= set(EngineConfig.__dataclass_fields__)
 
