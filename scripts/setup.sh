@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install chunkwise with its test and real-checkpoint extras.
+# Create .venv and install chunkwise with its test, real-checkpoint and benchmark-plot extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
@@ -8,4 +8,4 @@ python -m pip install -q --upgrade pip
 # The CPU wheel of torch first (it lies on these machines): an unpinned torch would pull the newest
 # CUDA build, several GB. On a machine with a CUDA torch already in the venv, this step is skipped.
 python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
-python -m pip install -q -e ".[test,real]"
+python -m pip install -q -e ".[test,real,bench]"

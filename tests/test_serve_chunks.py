@@ -107,7 +107,7 @@ def test_chunks_are_registered_listed_and_unpinned(server, chunks, engine):
     assert listed[extra["id"]]["pinned"] is False   # still a handle to compose with
 
 
-def test_a_request_finishing_inside_a_registration_is_still_answered(server, engine, monkeypatch):
+def test_a_request_finishing_inside_a_registration_is_still_answered(server, chunks, engine, monkeypatch):
     """register_chunk steps the engine itself, so a request may finish inside it: its last output waits in the
     engine's backlog, and the engine thread must step once more to hand it over though nothing is unfinished.
     The engine's lock, held here, lines it up: the request is admitted, the registration queued behind it."""
@@ -200,7 +200,7 @@ def test_a_plain_completion_has_no_chunk_reuse(client):
     assert "chunk_reuse" not in res.choices[0].model_extra
 
 
-CHUNK = "chunk-0"   # SYS, registered first by the `chunks` fixture
+CHUNK = "chunk-0"   # SYS, registered first by the `chunks` fixture (every test that registers one asks for it)
 
 
 @pytest.mark.parametrize("path, body, status, param, says", [
