@@ -2,9 +2,13 @@
 
 Both engines read the same `ModelConfig`; neither looks at the raw JSON. Everything that differs between
 families is a field here, so the model code has no `if family == ...` beyond what these fields say.
+A field the config.json leaves out takes the value transformers' config class for the family gives it (its
+defaults differ per family: Gemma 3's RoPE bases and query scalar, Mistral's window, EOS ids, context lengths),
+so a checkpoint computes what transformers would compute from the same file.
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import dataclass
@@ -130,17 +134,24 @@ class ModelConfig:
         head_dim = int(head_dim)
         if head_dim % 2:
             raise ValueError(f"head_dim={head_dim} must be even for RoPE")
+        _refuse_unsupported(d)
 
-        layer_types = tuple(d.get("layer_types") or _default_layer_types(d, model_type, layers))
+        theirs = _transformers_config(d, model_type)
+
+        def field(key: str):
+            """`key` as config.json gives it, or as transformers' config class defaults it when left out."""
+            return d[key] if key in d else getattr(theirs, key, None)
+
+        layer_types = tuple(d.get("layer_types") or _default_layer_types(d, model_type, layers, field))
         if len(layer_types) != layers or not set(layer_types) <= {FULL, SLIDING}:
             raise ValueError(f"config.json field 'layer_types' must list {layers} entries of {FULL!r} or "
                              f"{SLIDING!r}, got {list(layer_types)}")
-        window = d.get("sliding_window")
+        window = field("sliding_window")
         if SLIDING in layer_types and (window is None or int(window) < 1):
             raise ValueError(f"config.json field 'sliding_window' must be >= 1 for sliding layers, got {window}")
 
         if gemma:
-            scale = float(d.get("query_pre_attn_scalar") or head_dim) ** -0.5
+            scale = float(field("query_pre_attn_scalar")) ** -0.5
         else:
             scale = head_dim ** -0.5
         act = d.get("hidden_activation") or d.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
@@ -149,31 +160,52 @@ class ModelConfig:
         if d.get("mlp_bias"):
             raise ValueError("config.json field 'mlp_bias' is true; MLP biases are not supported")
         attention_bias = bool(d.get("attention_bias", model_type == "qwen2"))
-        eos = d.get("eos_token_id")
+        eos = field("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
             model_type=model_type, vocab_size=int(need("vocab_size")), hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")), num_layers=layers, num_heads=heads,
-            num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            hidden_act=act, max_position_embeddings=int(d.get("max_position_embeddings") or 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
+            num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=float(field("rms_norm_eps")),
+            hidden_act=act, max_position_embeddings=int(field("max_position_embeddings")),
+            tie_word_embeddings=bool(field("tie_word_embeddings")),
             attention_bias=attention_bias,
             o_proj_bias=attention_bias and model_type in ("llama", "qwen3", "gemma3_text"),
             qk_norm=model_type in ("qwen3", "gemma3_text"),
             layer_types=layer_types, sliding_window=int(window) if SLIDING in layer_types else None,
-            rope=_rope_configs(d, model_type), attn_scale=scale,
+            rope=_rope_configs(d, model_type, getattr(theirs, "rope_parameters", None) or {}), attn_scale=scale,
             embed_scale=hidden ** 0.5 if gemma else None, norm_plus_one=gemma, sandwich_norms=gemma,
             final_logit_softcapping=d.get("final_logit_softcapping"),
-            bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids,
+            bos_token_id=field("bos_token_id"), eos_token_ids=eos_ids,
         )
 
 
-def _default_layer_types(d: dict, model_type: str, layers: int) -> list[str]:
-    """Layer types for configs written before `layer_types` existed (transformers 4)."""
+def _refuse_unsupported(d: dict) -> None:
+    """Gemma features neither engine implements, refused rather than silently computed without."""
+    if d.get("attn_logit_softcapping") is not None:
+        raise ValueError(f"config.json field 'attn_logit_softcapping' is {d['attn_logit_softcapping']!r}; "
+                         f"attention logit soft-capping is not supported")
+    if d.get("use_bidirectional_attention"):
+        raise ValueError(f"config.json field 'use_bidirectional_attention' is {d['use_bidirectional_attention']!r}; "
+                         f"only causal attention is supported")
+
+
+def _transformers_config(d: dict, model_type: str):
+    """transformers' config class for `d`, as `from_pretrained` builds it: the oracle for every field `d` leaves out."""
+    from transformers import AutoConfig
+    kw = copy.deepcopy({k: v for k, v in d.items() if k not in ("model_type", "transformers_version")})
+    try:   # a copy: transformers fills in the nested dicts it is given (rope_parameters) in place
+        return AutoConfig.for_model(model_type, **kw)
+    except Exception as e:   # its validation errors are not all ValueErrors (huggingface_hub's strict dataclasses)
+        raise ValueError(f"transformers refuses this {model_type} config: {e}") from None
+
+
+def _default_layer_types(d: dict, model_type: str, layers: int, field) -> list[str]:
+    """Layer types for configs written before `layer_types` existed (transformers 4); `field(key)` reads a field
+    of the config, or transformers' default for it."""
     if model_type == "mistral":
-        return [SLIDING if d.get("sliding_window") else FULL] * layers
+        return [SLIDING if field("sliding_window") else FULL] * layers
     if model_type in ("qwen2", "qwen3"):
-        first = int(d.get("max_window_layers", layers))
+        first = int(field("max_window_layers"))
         return [SLIDING if d.get("use_sliding_window") and i >= first else FULL for i in range(layers)]
     if model_type == "gemma3_text":
         pattern = int(d.get("sliding_window_pattern", 6))
@@ -181,25 +213,29 @@ def _default_layer_types(d: dict, model_type: str, layers: int) -> list[str]:
     return [FULL] * layers
 
 
-def _rope_configs(d: dict, model_type: str) -> dict[str, RopeConfig]:
-    """RoPE per layer type, from transformers 5's `rope_parameters` or 4's `rope_theta`/`rope_scaling`."""
+def _rope_configs(d: dict, model_type: str, theirs: dict) -> dict[str, RopeConfig]:
+    """RoPE per layer type, from transformers 5's `rope_parameters` or 4's `rope_theta`/`rope_scaling`; what they
+    leave out (a base, llama3's original context, a layer type's parameters) is what transformers resolved,
+    `theirs` (its `rope_parameters`: per layer type for Gemma 3, flat otherwise)."""
     params = d.get("rope_parameters")
     if params is None:
         params = dict(d.get("rope_scaling") or {})
-        params["rope_theta"] = d.get("rope_theta", 10000.0)
+        params["rope_theta"] = d.get("rope_theta")
         if model_type == "gemma3_text":
-            params = {FULL: params, SLIDING: {"rope_theta": d.get("rope_local_base_freq", 10000.0)}}
+            params = {FULL: params, SLIDING: {"rope_theta": d.get("rope_local_base_freq")}}
     if FULL not in params and SLIDING not in params:
         params = {FULL: params, SLIDING: params}
-    return {kind: _rope(params.get(kind) or params.get(FULL) or params.get(SLIDING)) for kind in (FULL, SLIDING)}
+    resolved = {kind: theirs.get(kind, theirs) for kind in (FULL, SLIDING)}
+    return {kind: _rope(params.get(kind) or resolved[kind], resolved[kind]) for kind in (FULL, SLIDING)}
 
 
-def _rope(p: dict) -> RopeConfig:
+def _rope(p: dict, resolved: dict) -> RopeConfig:
     rope_type = p.get("rope_type") or p.get("type") or "default"
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"config.json rope_type {rope_type!r} is not supported; expected one of {ROPE_TYPES}")
-    if p.get("rope_theta") is None:
+    kw = {k: p[k] if p.get(k) is not None else resolved.get(k)
+          for k in ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    theta = kw.pop("rope_theta")
+    if theta is None:   # transformers 5 resolves every base; kept for a version that leaves one out
         raise ValueError("config.json field 'rope_theta' is missing")
-    kw = {k: p[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-          if p.get(k) is not None}
-    return RopeConfig(theta=float(p["rope_theta"]), rope_type=rope_type, **kw)
+    return RopeConfig(theta=float(theta), rope_type=rope_type, **{k: v for k, v in kw.items() if v is not None})

@@ -264,7 +264,7 @@ def test_weights_load_in_any_floating_dtype_by_name_or_dtype(dtype, want):
     assert all(t.dtype == want and torch.equal(t, single[n].to(want)) for n, t in weights.items())
 
 
-@pytest.mark.parametrize("dtype", ["int8", "nonsense", "Tensor", "bool"])
+@pytest.mark.parametrize("dtype", ["int8", "nonsense", "Tensor", "bool", torch.int8, torch.bool, torch.int64])
 def test_a_dtype_that_is_not_floating_point_is_refused_naming_it(dtype):
     with pytest.raises(ValueError, match=f"dtype {dtype!r} is not a torch floating-point dtype"):
         load_weights(tiny_checkpoint("llama"), dtype)

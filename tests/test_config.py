@@ -99,7 +99,6 @@ def test_transformers4_style_rope_scaling_is_read():
     ({"hidden_act": "relu"}, "relu"),
     ({"hidden_size": 66, "head_dim": None}, "hidden_size=66 is not divisible by num_attention_heads=4"),
     ({"mlp_bias": True}, "mlp_bias"),
-    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_theta"),
     ({"num_attention_heads": 0}, "num_attention_heads"),
     ({"num_key_value_heads": -1}, "num_key_value_heads"),
 ])
@@ -291,7 +290,12 @@ def test_every_config_field_reads_as_transformers_reads_it(case):
     the engines expect are the names and shapes of transformers' model built from it."""
     family, overrides = FIELD_CASES[case]
     d = hf_config_dict(family, **{k: v for k, v in overrides.items() if v is not ABSENT})
-    d = {k: v for k, v in d.items() if overrides.get(k) is not ABSENT}
+    assert_reads_as_transformers({k: v for k, v in d.items() if overrides.get(k) is not ABSENT})
+
+
+def assert_reads_as_transformers(d: dict) -> None:
+    """ModelConfig of config.json `d` holds what transformers' config class, rotary embeddings and model read from
+    it: every field, each layer's type, window and RoPE frequencies, and the checkpoint's tensor names and shapes."""
     cfg = ModelConfig.from_dict(json.loads(json.dumps(d)))
     model, theirs = hf_model_on_meta(d)
     eos = theirs.eos_token_id
@@ -300,7 +304,7 @@ def test_every_config_field_reads_as_transformers_reads_it(case):
     assert cfg.layer_types == tuple(layer_types)
     assert [cfg.window(i) for i in range(cfg.num_layers)] == [
         theirs.sliding_window if t == SLIDING else None for t in layer_types]
-    gemma = family == "gemma3_text"
+    gemma = d["model_type"] == "gemma3_text"
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size) == (
         theirs.num_attention_heads, theirs.num_key_value_heads, theirs.head_dim, theirs.hidden_size,
         theirs.intermediate_size)
@@ -308,12 +312,90 @@ def test_every_config_field_reads_as_transformers_reads_it(case):
         theirs.rms_norm_eps, theirs.max_position_embeddings, theirs.tie_word_embeddings)
     assert cfg.hidden_act == (theirs.hidden_activation if gemma else theirs.hidden_act)
     assert (cfg.bos_token_id, cfg.eos_token_ids) == (theirs.bos_token_id, tuple(eos) if isinstance(eos, list)
-                                                     else (eos,))
+                                                     else () if eos is None else (eos,))
     assert cfg.attn_scale == pytest.approx((theirs.query_pre_attn_scalar if gemma else theirs.head_dim) ** -0.5,
                                            rel=1e-12)
     assert cfg.final_logit_softcapping == getattr(theirs, "final_logit_softcapping", None)
     assert (cfg.embed_scale is not None, cfg.norm_plus_one, cfg.sandwich_norms) == (gemma, gemma, gemma)
+    for i, layer_type in enumerate(cfg.layer_types):
+        torch.testing.assert_close(cfg.rope_for(i).inv_freq(cfg.head_dim), hf_inv_freq(model, config=theirs,
+                                   layer_type=layer_type), rtol=1e-6, atol=0, msg=lambda m: f"layer {i}: {m}")
     theirs_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if theirs.tie_word_embeddings:
         del theirs_shapes["lm_head.weight"]   # the same tensor as the embedding; checkpoints hold it once
     assert expected_shapes(cfg) == theirs_shapes
+
+
+def without(d: dict, *paths: str) -> dict:
+    """`d` with each dotted path ("rope_parameters.full_attention") left out."""
+    d = json.loads(json.dumps(d))
+    for path in paths:
+        *outer, last = path.split(".")
+        node = d
+        for key in outer:
+            node = node[key]
+        node.pop(last, None)
+    return d
+
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+ROPE_FIELDS = ("rope_parameters", "rope_theta", "rope_scaling", "rope_local_base_freq")
+QWEN_SLIDING = dict(num_hidden_layers=30, use_sliding_window=True, sliding_window=8, max_window_layers=3)
+# case: (family, fields given to transformers' config class, fields then left out of its config.json, transformers
+# 4 fields then added to it, which transformers 5 would have rewritten had they been given to its config class)
+LEFT_OUT = {
+    # Every family, each optional field (the families' defaults differ: context length, EOS/BOS, window, RoPE base)
+    **{f"{family}-no-{name}": (family, {}, fields) for family in FAMILIES for name, fields in (
+        ("max_position_embeddings", ("max_position_embeddings",)),
+        ("bos_token_id", ("bos_token_id",)), ("eos_token_id", ("eos_token_id",)),
+        ("rope", ROPE_FIELDS), ("rms_norm_eps", ("rms_norm_eps",)),
+        ("tie_word_embeddings", ("tie_word_embeddings",)), ("sliding_window", ("sliding_window",)))},
+    "gemma3-no-query_pre_attn_scalar": ("gemma3_text", {}, ("query_pre_attn_scalar",)),
+    "gemma3-v4-no-rope_theta": ("gemma3_text", {}, ROPE_FIELDS, {
+        "rope_local_base_freq": 5e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}),
+    "gemma3-v4-no-rope_local_base_freq": ("gemma3_text", {}, ROPE_FIELDS, {"rope_theta": 5e5}),
+    "gemma3-v5-no-sliding-rope": ("gemma3_text", {"rope_parameters": {FULL: {"rope_type": "linear", "rope_theta": 1e6,
+                                                                              "factor": 8.0}}},
+                                  (f"rope_parameters.{SLIDING}",)),
+    "gemma3-v5-no-full-rope": ("gemma3_text", {"rope_parameters": {SLIDING: {"rope_type": "default",
+                                                                             "rope_theta": 5e4}}},
+                               (f"rope_parameters.{FULL}",)),
+    "llama-linear-no-rope_theta": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 5e5,
+                                                                 "factor": 2.0}}, ("rope_parameters.rope_theta",)),
+    "llama-llama3-no-original-context": ("llama", {"rope_parameters": dict(LLAMA3), "max_position_embeddings": 512},
+                                         ("rope_parameters.original_max_position_embeddings",)),
+    "gemma3-llama3-no-original-context": (
+        "gemma3_text", {"rope_parameters": {FULL: dict(LLAMA3), SLIDING: {"rope_type": "default", "rope_theta": 1e4}},
+                        "max_position_embeddings": 512},
+        (f"rope_parameters.{FULL}.original_max_position_embeddings",)),
+    **{f"{family}-sliding-no-max_window_layers": (family, QWEN_SLIDING, ("max_window_layers", "layer_types"))
+       for family in ("qwen2", "qwen3")},
+    **{f"{family}-sliding-no-window": (family, dict(QWEN_SLIDING), ("sliding_window", "layer_types"))
+       for family in ("qwen2", "qwen3")},
+}
+
+
+@pytest.mark.parametrize("case", list(LEFT_OUT))
+def test_a_field_left_out_reads_as_transformers_defaults_it(case):
+    """A config.json that leaves a field out (each optional field of each family) gives the ModelConfig that
+    transformers' own config class gives the same file: its family's default, not one of ours."""
+    family, overrides, fields, *v4_fields = LEFT_OUT[case]
+    d = without(hf_config_dict(family, **overrides), *fields)
+    assert_reads_as_transformers(dict(d, **(v4_fields[0] if v4_fields else {})))
+
+
+@pytest.mark.parametrize("field,value", [("attn_logit_softcapping", 50.0), ("use_bidirectional_attention", True)])
+def test_an_unimplemented_gemma_feature_is_refused_naming_its_field(field, value):
+    d = dict(hf_config_dict("gemma3_text"), **{field: value})
+    with pytest.raises(ValueError, match=f"{field}.*{value}"):
+        ModelConfig.from_dict(d)
+
+
+def test_reading_a_config_leaves_its_dict_as_given():
+    """transformers fills in the rope_parameters it is handed; ModelConfig gives it a copy, so the caller's dict
+    (and a later read of it) is what the config.json said."""
+    d = without(hf_config_dict("gemma3_text", rope_parameters={FULL: dict(LLAMA3)}),
+                f"rope_parameters.{FULL}.original_max_position_embeddings")
+    before = json.loads(json.dumps(d))
+    ModelConfig.from_dict(d)
+    assert d == before
