@@ -664,6 +664,34 @@ MUTANTS = [
            '        lens[:d], lens[d:] = host.seq_lens[:d], 1',
            "a graph step's decode lengths are taken from the start of the step's seq_lens (the prefilling "
            "sequences'), not after them, so in a mixed step each decode attends over another sequence's length"),
+    # ---- the day's other new behaviour: graph row buckets, the streamed chunk writer, error types, config defaults
+    Mutant('mixed_graph_rows_rounded_down', 'chunkwise/engine/cuda_graphs.py',
+           '    return 16 if n <= 16 else 32 if n <= 32 else -(-n // ROWS_STEP) * ROWS_STEP',
+           '    return 16 if n <= 16 else 32 if n <= 32 else n // ROWS_STEP * ROWS_STEP',
+           "a mixed graph's row bucket rounds down to a multiple of 64, so a step whose rows are not a multiple finds "
+           "no captured key and runs eagerly (or, where a key exists, the graph would be too small for its rows)"),
+    Mutant('stream_chunk_finish_reason_unquoted', 'chunkwise/serve/app.py',
+           '        reason = "null" if finish_reason is None else _json_str(finish_reason)',
+           '        reason = "null" if finish_reason is None else finish_reason',
+           "the streamed chunk writer puts the finish reason in as bare text, so the last event of every stream is "
+           "not valid JSON"),
+    Mutant('client_error_typed_as_server_error', 'chunkwise/serve/protocol.py',
+           '"server_error" if self.status >= 500 else "invalid_request_error")',
+           '"server_error" if self.status >= 400 else "invalid_request_error")',
+           "a 4xx outside the error table (405 for a wrong method) is reported with OpenAI's type server_error"),
+    Mutant('gemma_query_scalar_defaults_to_head_dim', 'chunkwise/model_config.py',
+           '            scale = float(field("query_pre_attn_scalar")) ** -0.5',
+           '            scale = float(d.get("query_pre_attn_scalar") or head_dim) ** -0.5',
+           "a Gemma 3 config without query_pre_attn_scalar scales queries by head_dim, where transformers uses 256"),
+    Mutant('left_out_eos_means_no_eos', 'chunkwise/model_config.py',
+           '        eos = field("eos_token_id")',
+           '        eos = d.get("eos_token_id")',
+           "a config.json without eos_token_id gives no EOS at all (generation never stops on one), where "
+           "transformers' config class has the family's default"),
+    Mutant('integer_torch_dtype_accepted', 'chunkwise/weights.py',
+           '        if not dtype.is_floating_point:\n',
+           '        if dtype is torch.bool:\n',
+           "load_weights checks dtype names but lets an integer torch.dtype through, truncating every weight"),
 ]
 
 

@@ -316,6 +316,7 @@ def test_a_prompt_of_exactly_the_token_budget_takes_one_step_and_one_token_more_
     ("max_num_batched_tokens", [1], [0, "8"]),
     ("num_pages", [None, 1], [0, 3.0]),
     ("split_kv_threshold", [None, 0, 1], [-1, 0.5]),
+    ("max_graph_tokens", [0, 1, 512], [-1, 2.0, True, None]),
     ("split_size", [None, 64, 128], [0, 32, 96, 64.0]),
     ("max_model_len", [None, 2, 1024], [1, 1025, 2.0]),
     ("enable_prefix_caching", [True, False], [1, "yes", None]),

@@ -52,6 +52,11 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def row_bucket(n: int) -> int:
+    """A mixed graph's rows for n: 16, 32, or the next multiple of ROWS_STEP."""
+    return 16 if n <= 16 else 32 if n <= 32 else -(-n // ROWS_STEP) * ROWS_STEP
+
+
 class StepGraphs:
     """The CUDA graphs of one runner's model over its KV cache (the logits a rank's vocabulary slice under tensor
     parallelism). Empty until `capture` (or, for running the static inputs eagerly, `allocate`)."""
@@ -143,18 +148,9 @@ class StepGraphs:
             if fewest >= budget:
                 break
             most = budget - fewest + dp   # the real prefill rows beside them, plus the decode rows
-            for rows in StepGraphs.row_buckets(most):
-                if rows > dp:
-                    keys.add((rows - dp, dp))
+            buckets = [16, 32, *range(ROWS_STEP, row_bucket(most) + 1, ROWS_STEP)]
+            keys.update((rows - dp, dp) for rows in buckets if dp < rows <= row_bucket(most))
         return keys
-
-    @staticmethod
-    def row_buckets(most: int) -> list[int]:
-        """16, 32, then multiples of ROWS_STEP, up to the first that holds `most` rows."""
-        out = [16, 32]
-        while out[-1] < most:
-            out.append((out[-1] // ROWS_STEP + 1) * ROWS_STEP)
-        return [r for r in out if r < most] + [next(r for r in out if r >= most)]
 
     def static_inputs(self, bs: int, cascade: bool, prefill_rows: int = 0) -> StepInputs:
         """StepInputs of a step of bs decode rows (with the static groups if cascade) after prefill_rows rows of
@@ -220,13 +216,13 @@ class StepGraphs:
         if prefill_rows + d > self.budget:
             return None
         dp = min(self.rows, _pow2_at_least(d)) if d else 0
-        rows = self.row_buckets(prefill_rows + dp)[-1]
+        rows = row_bucket(prefill_rows + dp)
         return (False, rows - dp, dp) if (rows - dp, dp) in self.mixed_keys else None
 
-    def fits(self, host: HostStep) -> bool:
-        """Whether a captured graph replays the step."""
+    def captured_key(self, host: HostStep) -> tuple[bool, int, int] | None:
+        """The key of the captured graph that replays the step, or None."""
         key = self.key_for(host) if self.graphs else None
-        return key is not None and key in self.graphs
+        return key if key in self.graphs else None
 
     def stage(self, host: HostStep, key: tuple[bool, int, int], table: torch.Tensor,
               last_tokens: torch.Tensor) -> None:
@@ -287,11 +283,10 @@ class StepGraphs:
         torch.index_select(table, 0, self._segment(self.static64, TABLE_ROWS, self.prefill_seqs + bs),
                            out=self.static_tables[:self.prefill_seqs + bs])
 
-    def replay(self, host: HostStep, table: torch.Tensor,
+    def replay(self, host: HostStep, key: tuple[bool, int, int], table: torch.Tensor,
                last_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A step that `fits`, through its key's graph: its logits and, under tensor parallelism, tokens; the
+        """A step through the graph of its `captured_key`: its logits and, under tensor parallelism, tokens; the
         padding rows' are dropped."""
-        key = self.key_for(host)
         graph, logits, tokens = self.graphs[key]
         self.stage(host, key, table, last_tokens)
         with self.tp.issuing() if self.tp is not None else nullcontext():   # its NCCL kernels

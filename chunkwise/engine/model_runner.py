@@ -236,9 +236,10 @@ class ModelRunner:
         eager (no tokens). Logits are this rank's vocabulary slice under tensor parallelism. Counted in `launches`
         by (kind, path)."""
         kind = "mixed" if host.num_prefill else "cascade decode" if host.cascade is not None else "decode"
-        if self.graphs.fits(host):
+        key = self.graphs.captured_key(host)
+        if key is not None:
             self.launches[kind, "graph"] += 1
-            return self.graphs.replay(host, self.tables.table, self.last_tokens)
+            return self.graphs.replay(host, key, self.tables.table, self.last_tokens)
         self.launches[kind, "eager"] += 1
         inp = self._upload(host)
         logits = self.model.forward(inp, self.kv.layers)
