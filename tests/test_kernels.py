@@ -22,37 +22,44 @@ HEADS = [(4, 4), (8, 2), (14, 2), (4, 1), (5, 1), (6, 3)]
 HEAD_DIMS = [64, 64, 80, 96, 128, 256]
 
 
-def _run_batch(fn, cache, qs, q_lens, seq_lens, scale, window):
+# Split the context every 128 positions (two 64-key tiles in float32, one 128-key tile in 16-bit) or not at all.
+SPLITS = [None, 128]
+
+
+def _run_batch(fn, cache, qs, q_lens, seq_lens, scale, window, **split):
     q = torch.cat(qs)
     out = torch.full_like(q, float("nan"))
     seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=q.device)
     qsl = query_start_loc(q_lens, q.device)
     return fn(q, cache.k_cache, cache.v_cache, cache.page_tables, seq_lens, qsl, scale,
-              sliding_window=window, out=out)
+              sliding_window=window, out=out, **split)
 
 
 @given(heads=st.sampled_from(HEADS), head_dim=st.sampled_from(HEAD_DIMS), page_size=st.integers(1, 64),
        seqs=st.lists(st.tuples(st.integers(0, 100), st.integers(1, 40)), min_size=1, max_size=3),
        window=st.none() | st.integers(1, 80), dtype=st.sampled_from(DTYPES), rising=st.booleans(),
-       seed=st.integers(0, 2**16))
+       split=st.sampled_from(SPLITS), seed=st.integers(0, 2**16))
 @example(heads=(4, 1), head_dim=64, page_size=1, seqs=[(5, 3)], window=None, dtype=torch.float32, rising=False,
-         seed=1)
+         split=None, seed=1)
 @example(heads=(8, 2), head_dim=80, page_size=16, seqs=[(37, 1), (0, 1)], window=None, dtype=torch.float32,
-         rising=False, seed=2)
+         rising=False, split=None, seed=2)
 @example(heads=(14, 2), head_dim=64, page_size=16, seqs=[(20, 12)], window=None, dtype=torch.float16, rising=False,
-         seed=3)
-@example(heads=(4, 4), head_dim=96, page_size=16, seqs=[(16, 5)], window=7, dtype=torch.float32, rising=False, seed=4)
+         split=None, seed=3)
+@example(heads=(4, 4), head_dim=96, page_size=16, seqs=[(16, 5)], window=7, dtype=torch.float32, rising=False,
+         split=None, seed=4)
 @example(heads=(5, 1), head_dim=64, page_size=7, seqs=[(0, 33), (7, 7)], window=8, dtype=torch.float16, rising=False,
-         seed=5)
+         split=128, seed=5)
 @example(heads=(8, 2), head_dim=64, page_size=16, seqs=[(150, 50), (0, 1)], window=None, dtype=torch.float32,
-         rising=True, seed=6)
+         rising=True, split=128, seed=6)
 @example(heads=(4, 1), head_dim=80, page_size=5, seqs=[(230, 20)], window=None, dtype=torch.bfloat16, rising=True,
-         seed=7)
+         split=128, seed=7)
 @MORE
-def test_paged_attention_matches_reference(heads, head_dim, page_size, seqs, window, dtype, rising, seed, device):
+def test_paged_attention_matches_reference(heads, head_dim, page_size, seqs, window, dtype, rising, split, seed,
+                                           device):
     """seqs: (cached prefix, new chunk) per sequence; the cases pinned above: page size 1, one-token chunks,
     a chunk ending on a page boundary, a prefix equal to the page size, a zero prefix with a window, and scores
-    rising along the sequence over four fp32 and two bf16 KV tiles (every tile raises the running max)."""
+    rising along the sequence over four fp32 and two bf16 KV tiles (every tile raises the running max), the
+    last three with the context split across programs (split: every 128 positions; None: one pass)."""
     num_heads, num_kv_heads = heads
     gen = torch.Generator().manual_seed(seed)
     kvs = [random_kv(p + c, num_kv_heads, head_dim, dtype, gen, device) for p, c in seqs]
@@ -63,7 +70,7 @@ def test_paged_attention_matches_reference(heads, head_dim, page_size, seqs, win
     cache = paginate(kvs, page_size, gen)
     args = (cache, list(qs), [c for _, c in seqs], [p + c for p, c in seqs], head_dim ** -0.5, window)
 
-    out = _run_batch(paged_attention, *args)
+    out = _run_batch(paged_attention, *args, split_size=split)
     ref = _run_batch(paged_attention_ref, *args)
 
     assert not out.isnan().any()
@@ -75,16 +82,19 @@ def _chunk_ends(data, length):
     return sorted({c for c in cuts if c < length} | {length})
 
 
-def check_rows_invariant(heads, head_dim, dtype, window, length, ends, page_a, page_b, mates, seed, device):
+def check_rows_invariant(heads, head_dim, dtype, window, length, ends, page_a, page_b, mates, seed, device,
+                         split=None):
     """A sequence's attention rows computed in one chunk under page size page_a equal, bitwise, the rows computed
-    chunk by chunk (chunks ending at `ends`) under page_b between batch-mates (cached prefix, new tokens)."""
+    chunk by chunk (chunks ending at `ends`) under page_b between batch-mates (cached prefix, new tokens); both
+    passes one-pass (split None) or both with the context split every `split` positions."""
     num_heads, num_kv_heads = heads
     gen = torch.Generator().manual_seed(seed)
     kv = random_kv(length, num_kv_heads, head_dim, dtype, gen, device)
     q = torch.randn(length, num_heads, head_dim, generator=gen).to(dtype).to(device)
     scale = head_dim ** -0.5
 
-    whole = _run_batch(paged_attention, paginate([kv], page_a, gen), [q], [length], [length], scale, window)
+    whole = _run_batch(paged_attention, paginate([kv], page_a, gen), [q], [length], [length], scale, window,
+                       split_size=split)
 
     # Batch B: the sequence sits between batch-mates, under another page size and another random permutation.
     mate_kvs = [random_kv(p + c, num_kv_heads, head_dim, dtype, gen, device) for p, c in mates]
@@ -95,7 +105,7 @@ def check_rows_invariant(heads, head_dim, dtype, window, length, ends, page_a, p
         qs = mate_qs[:1] + [q[start:end]] + mate_qs[1:]
         q_lens = [c for _, c in mates[:1]] + [end - start] + [c for _, c in mates[1:]]
         seq_lens = [p + c for p, c in mates[:1]] + [end] + [p + c for p, c in mates[1:]]
-        out = _run_batch(paged_attention, cache_b, qs, q_lens, seq_lens, scale, window)
+        out = _run_batch(paged_attention, cache_b, qs, q_lens, seq_lens, scale, window, split_size=split)
         first = q_lens[0] if mates else 0
         pieces.append(out[first:first + end - start])
         start = end
@@ -118,7 +128,8 @@ def test_attention_rows_are_bitwise_invariant_to_chunking_page_size_permutation_
     page_a, page_b = data.draw(st.integers(1, 64), label="page_a"), data.draw(st.integers(1, 64), label="page_b")
     mates = data.draw(st.lists(st.tuples(st.integers(0, 60), st.integers(1, 20)), max_size=2), label="mates")
     seed = data.draw(st.integers(0, 2**16), label="seed")
-    check_rows_invariant(heads, head_dim, dtype, window, length, ends, page_a, page_b, mates, seed, device)
+    split = data.draw(st.sampled_from(SPLITS), label="split")
+    check_rows_invariant(heads, head_dim, dtype, window, length, ends, page_a, page_b, mates, seed, device, split)
 
 
 # Issue 8's shrunk failure: under the interpreter `tl.dot` was the host BLAS's matmul, and OpenBLAS's Haswell
@@ -129,6 +140,10 @@ PINNED_ROW_CASES = [
          mates=[], seed=0),
     dict(heads=(8, 2), head_dim=80, dtype=torch.bfloat16, window=45, length=150, ends=[1, 64, 65, 150], page_a=7,
          page_b=16, mates=[(10, 3), (50, 1)], seed=3),
+    # Split every 128: rows whose block straddles the split boundary, chunks ending on and across it, and a
+    # batch-mate whose context ends inside the second split.
+    dict(heads=(8, 2), head_dim=64, dtype=torch.float32, window=None, length=150, ends=[100, 128, 129, 150],
+         page_a=16, page_b=5, mates=[(140, 2)], seed=4, split=128),
 ]
 
 
@@ -152,15 +167,19 @@ def _small_case():
     (dict(seq_lens=torch.tensor([10], dtype=torch.int64)), "seq_lens must be int32"),
     (dict(query_start_loc=torch.tensor([0, 1, 3], dtype=torch.int32)), "query_start_loc must be int32 \\[2\\]"),
     (dict(max_rows=64), "max_rows must be 128 or 256, got 64"),
+    (dict(split_size=100), "split_size must be a positive multiple of 64 \\(the key tile\\), got 100"),
+    (dict(workspace=object()), "workspace is the split scratch: pass split_size with it"),
+    (dict(split_size=128, workspace=object()), "workspace must be a SplitWorkspace"),
 ])
 def test_paged_attention_rejects_bad_arguments_naming_them(change, match):
     q, cache, qsl = _small_case()
     args = dict(q=q, k_cache=cache.k_cache, v_cache=cache.v_cache, page_tables=cache.page_tables,
                 seq_lens=cache.seq_lens, query_start_loc=qsl, scale=0.125)
     args.update(change)
-    # max_rows is the kernel's tiling, which its reference has none of
-    for fn in (paged_attention,) if "max_rows" in change else (paged_attention, paged_attention_ref):
-        with pytest.raises(ValueError, match=match):
+    # max_rows and the split are the kernel's tiling, which its reference has none of
+    kernel_only = {"max_rows", "split_size", "workspace"} & change.keys()
+    for fn in (paged_attention,) if kernel_only else (paged_attention, paged_attention_ref):
+        with pytest.raises((ValueError, TypeError), match=match):
             fn(**args)
 
 

@@ -13,6 +13,7 @@ import torch
 
 from chunkwise.kernels import (cascade_decode, cascade_groups, cascade_item_size, paged_attention, paged_attention_ref,
                      relocate_kv, relocate_kv_ref, split_kv_decode, split_kv_decode_ref)
+from chunkwise.kernels.paged_attention import paged_split_workspace
 from chunkwise.kernels.testing import paginate, query_start_loc, random_kv
 from chunkwise.model_config import RopeConfig
 from chunkwise.reference.model import rotate
@@ -28,10 +29,10 @@ def _rel_err(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def _attend(fn, cache, q, q_lens, seq_lens, scale, window=None, positions=None):
+def _attend(fn, cache, q, q_lens, seq_lens, scale, window=None, positions=None, **split):
     seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=q.device)
     return fn(q, cache.k_cache, cache.v_cache, cache.page_tables, seq_lens, query_start_loc(q_lens, q.device),
-              scale, sliding_window=window, out=torch.full_like(q, float("nan")), positions=positions)
+              scale, sliding_window=window, out=torch.full_like(q, float("nan")), positions=positions, **split)
 
 
 def _mixed_batch(num_heads, num_kv_heads, head_dim, dtype, seqs, page_size, seed):
@@ -47,10 +48,11 @@ def _mixed_batch(num_heads, num_kv_heads, head_dim, dtype, seqs, page_size, seed
 MIXED = [(4096, 2048), (1024, 1024), (0, 777)] + [(100 * i + 37, 1) for i in range(40)]
 
 
+@pytest.mark.parametrize("split", [None, 512])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_mixed_batch_matches_reference_32q_8kv_d128(dtype):
+def test_mixed_batch_matches_reference_32q_8kv_d128(dtype, split):
     cache, q, q_lens, seq_lens = _mixed_batch(32, 8, 128, dtype, MIXED, 16, seed=0)
-    out = _attend(paged_attention, cache, q, q_lens, seq_lens, 128 ** -0.5)
+    out = _attend(paged_attention, cache, q, q_lens, seq_lens, 128 ** -0.5, split_size=split)
     ref = _attend(paged_attention_ref, cache, q.float(), q_lens, seq_lens, 128 ** -0.5)
     assert _rel_err(out, ref) < REL_BOUND[dtype]
 
@@ -65,23 +67,41 @@ def test_mixed_batch_matches_reference_4q_1kv_d256(dtype, window):
     assert _rel_err(out, ref) < REL_BOUND[dtype]
 
 
+@pytest.mark.parametrize("split", [None, 512])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_chunked_prefill_is_bitwise_equal_to_one_pass_across_page_sizes_and_batches(dtype):
+def test_chunked_prefill_is_bitwise_equal_to_one_pass_across_page_sizes_and_batches(dtype, split):
+    """Single pass (split None) or the context split every 512 positions, in both the whole and the chunked runs."""
     gen = torch.Generator().manual_seed(2)
     length = 6144
     kv = random_kv(length, 8, 128, dtype, gen, "cuda")
     q = torch.randn(length, 32, 128, generator=gen).to(dtype).cuda()
-    whole = _attend(paged_attention, paginate([kv], 16, gen), q, [length], [length], 128 ** -0.5)
+    whole = _attend(paged_attention, paginate([kv], 16, gen), q, [length], [length], 128 ** -0.5, split_size=split)
     mates = [random_kv(n, 8, 128, dtype, gen, "cuda") for n in (3000, 5)]
     for page_size in (1, 7, 32):
         cache = paginate([mates[0], kv, mates[1]], page_size, gen)
         start, pieces = 0, []
         for end in (4096, 4097, 5000, 6144):
             q_b = torch.cat([q[:3], q[start:end], q[:1]])  # batch-mates decode around the chunk
-            out = _attend(paged_attention, cache, q_b, [3, end - start, 1], [3000, end, 5], 128 ** -0.5)
+            out = _attend(paged_attention, cache, q_b, [3, end - start, 1], [3000, end, 5], 128 ** -0.5,
+                          split_size=split)
             pieces.append(out[3:3 + end - start])
             start = end
         assert torch.equal(torch.cat(pieces), whole), f"page_size {page_size}"
+
+
+def test_split_context_prefill_reuses_its_workspace_and_is_race_free():
+    """One workspace through 30 launches (chunks of 512 and 64 rows and decodes after 1k-16k tokens, the splits'
+    arrivals reused): every launch gives the first one's bits, and the arrivals are left zero."""
+    seqs = [(16384 - 512, 512), (1000, 64)] + [(331 * i + 7, 1) for i in range(30)]
+    cache, q, q_lens, seq_lens = _mixed_batch(16, 8, 128, torch.bfloat16, seqs, 16, seed=5)
+    ws = paged_split_workspace(q.shape[0], 16, q.dtype, cache.k_cache, cache.page_tables, 512)
+    first = _attend(paged_attention, cache, q, q_lens, seq_lens, 128 ** -0.5, split_size=512, workspace=ws)
+    for _ in range(29):
+        again = _attend(paged_attention, cache, q, q_lens, seq_lens, 128 ** -0.5, split_size=512, workspace=ws)
+        assert torch.equal(again, first)
+    assert not ws.arrivals.any()
+    ref = _attend(paged_attention_ref, cache, q.float(), q_lens, seq_lens, 128 ** -0.5)
+    assert _rel_err(first, ref) < REL_BOUND[torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -14,6 +14,16 @@ recomputes), and sees positions <= its own (and > pos - sliding_window).
 One program serves BLOCK_Q query tokens of one sequence times the GROUP query heads of one KV head (GQA packed
 into the rows), so every loaded K/V tile serves all heads that share it. Tile sizes depend only on head_dim and
 the group size, never on q_len, batch or page size: that is what keeps outputs bitwise invariant.
+
+Split context (`split_size`): a chunk of a few hundred rows fills few programs (its query blocks times the KV
+heads), and each sweeps the whole context, so a long context's short chunk leaves most SMs idle. With split_size,
+program (block, head, j) folds only the keys at positions [j * split_size, (j + 1) * split_size) and the last of
+a block's programs to arrive merges its splits in split order, as split-KV decode does. The splits sit at absolute
+positions, so a row's bits still depend only on its position and the cache (the same invariance), but they are
+not the single pass's bits: a caller that needs one row to equal another (deterministic mode) uses one path.
+    partial_out:  float32 [grid blocks, num_kv_heads, num_splits, BLOCK_M, D_PAD] (scratch)
+    partial_lse:  float32 [grid blocks, num_kv_heads, num_splits, BLOCK_M] (scratch; log2 units, -inf: no key)
+    arrivals:     int32 [grid blocks, num_kv_heads] (scratch, zero at launch; each launch leaves it zero)
 """
 import functools
 
@@ -23,6 +33,7 @@ import triton.language as tl
 
 from chunkwise.kernels.attention_tile import (LOG2E, attend_ref, attend_tiles, check_cache, check_window, gather_kv_ref,
                                     pages_per_tile)
+from chunkwise.kernels.split_kv import SplitWorkspace, check_workspace
 from chunkwise.kernels.tiling import cast, precision_for
 
 
@@ -115,9 +126,64 @@ def _find_sequence(query_start_loc_ptr, num_seqs, block_idx, BLOCK_Q: tl.constex
 
 
 @triton.jit
+def _fold(
+    q, q_pos, lo, hi, full_lo, full_hi, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE: tl.constexpr,
+    kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
+):
+    """(m, l, acc) of rows q over tiles [lo, hi), from a fresh state: the tiles outside [full_lo, full_hi) masked."""
+    f_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    f_hi = tl.minimum(tl.maximum(full_hi, f_lo), hi)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    m_i, l_i, acc = attend_tiles(
+        q, q_pos, m_i, l_i, acc, lo, f_lo, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
+        kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
+        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True, PAGES_PER_TILE,
+    )
+    m_i, l_i, acc = attend_tiles(
+        q, q_pos, m_i, l_i, acc, f_lo, f_hi, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
+        kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
+        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, False, PAGES_PER_TILE,
+    )
+    m_i, l_i, acc = attend_tiles(
+        q, q_pos, m_i, l_i, acc, f_hi, hi, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
+        kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
+        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True, PAGES_PER_TILE,
+    )
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _merge_splits(partial_out_ptr, partial_lse_ptr, slot, first, last, row_ok, d_ok,
+                  BLOCK_M: tl.constexpr, D_PAD: tl.constexpr):
+    """The softmax-weighted sum of a block's splits first..last-1, in split order (log2 units). Loads bypass L1
+    (.cg): other programs wrote the partials."""
+    rows = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D_PAD)
+    lse_rows = partial_lse_ptr + slot * BLOCK_M + rows
+    out_rows = partial_out_ptr + slot * (BLOCK_M * D_PAD) + rows[:, None] * D_PAD + d[None, :]
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for j in range(first, last):
+        m = tl.maximum(m, tl.load(lse_rows + j * BLOCK_M, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
+    m = tl.where(m == float("-inf"), 0.0, m)  # a padding row saw no key: every weight 0, not NaN
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    for j in range(first, last):
+        w = tl.exp2(tl.load(lse_rows + j * BLOCK_M, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m)
+        acc += w[:, None] * tl.load(out_rows + j * (BLOCK_M * D_PAD), mask=row_ok[:, None] & d_ok[None, :],
+                                    other=0.0, cache_modifier=".cg")
+        total += w
+    return acc / tl.where(total > 0.0, total, 1.0)[:, None]
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     positions_ptr,  # int64 [num_tokens], read if EXPLICIT_POSITIONS (None otherwise)
+    partial_out_ptr, partial_lse_ptr, arrivals_ptr,  # the split scratch (module docstring) if SPLIT_TILES
     num_seqs, qk_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
@@ -125,6 +191,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
     EXPLICIT_POSITIONS: tl.constexpr,
+    SPLIT_TILES: tl.constexpr,  # tiles per split (axis 2 of the grid); 0: one pass over the context
 ):
     # Last query blocks first: a sequence's later blocks see more keys, so the longest programs start first
     # and the short ones fill the tail.
@@ -146,7 +213,6 @@ def _paged_attention_kernel(
     d_ok = d < HEAD_DIM
     io_mask = row_ok[:, None] & d_ok[None, :]
     row_tok = (q_start + tok).to(tl.int64)
-    q = tl.load(q_ptr + row_tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0)
 
     if EXPLICIT_POSITIONS:
         # The block's rows may lie far apart: its tiles run from the first row's window to the last row, and
@@ -168,33 +234,85 @@ def _paged_attention_kernel(
         full_lo = tl.cdiv(tl.maximum(last_pos - window, 0), BLOCK_N)
     full_lo = tl.minimum(tl.maximum(full_lo, t_start), t_end)
     full_hi = tl.minimum(tl.maximum((first_pos + 1) // BLOCK_N, full_lo), t_end)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     table = page_tables_ptr + s.to(tl.int64) * stride_bt
-    m_i, l_i, acc = attend_tiles(
-        q, q_pos, m_i, l_i, acc, t_start, full_lo, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
-        kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
-        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True, PAGES_PER_TILE,
-    )
-    m_i, l_i, acc = attend_tiles(
-        q, q_pos, m_i, l_i, acc, full_lo, full_hi, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
-        kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
-        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, False, PAGES_PER_TILE,
-    )
-    m_i, l_i, acc = attend_tiles(
-        q, q_pos, m_i, l_i, acc, full_hi, t_end, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
-        kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
-        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True, PAGES_PER_TILE,
-    )
-    # Padding rows see no key (l_i = 0); only they would divide by zero, and they are not stored.
-    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + row_tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             cast(o, out_ptr.dtype.element_ty), mask=io_mask)
+    out_ptrs = out_ptr + row_tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    if SPLIT_TILES > 0:
+        split = tl.program_id(2)
+        first = t_start // SPLIT_TILES
+        last = tl.cdiv(t_end, SPLIT_TILES)   # the block's splits: first..last-1
+        if (split >= first) & (split < last):
+            q = tl.load(q_ptr + row_tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=io_mask,
+                        other=0.0)
+            m_i, l_i, acc = _fold(
+                q, q_pos, tl.maximum(t_start, split * SPLIT_TILES), tl.minimum(t_end, (split + 1) * SPLIT_TILES),
+                full_lo, full_hi, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE, kv_head,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
+                BLOCK_M, HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, PAGES_PER_TILE,
+            )
+            empty = l_i == 0.0   # rows before the split's first key, and padding rows
+            slot = block_idx * tl.num_programs(1) + kv_head   # this (block, KV head)'s partials
+            j = (slot * tl.num_programs(2) + split).to(tl.int64)
+            tl.store(partial_out_ptr + j * (BLOCK_M * D_PAD) + rows[:, None] * D_PAD + d[None, :],
+                     acc / tl.where(empty, 1.0, l_i)[:, None], mask=io_mask)
+            tl.store(partial_lse_ptr + j * BLOCK_M + rows,
+                     tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i))), mask=row_ok)
+            # Every thread's stores precede the arrival (barrier), which releases them to the merging program.
+            tl.debug_barrier()
+            arrival = arrivals_ptr + slot
+            arrived = tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu")
+            if arrived == last - first - 1:
+                tl.store(arrival, 0)  # every split of this (block, KV head) is in: ready for the next launch
+                o = _merge_splits(partial_out_ptr, partial_lse_ptr, (slot * tl.num_programs(2)).to(tl.int64), first,
+                                  last, row_ok, d_ok, BLOCK_M, D_PAD)
+                tl.store(out_ptrs, cast(o, out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        q = tl.load(q_ptr + row_tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=io_mask,
+                    other=0.0)
+        m_i, l_i, acc = _fold(
+            q, q_pos, t_start, t_end, full_lo, full_hi, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
+            kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
+            BLOCK_M, HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, PAGES_PER_TILE,
+        )
+        # Padding rows see no key (l_i = 0); only they would divide by zero, and they are not stored.
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptrs, cast(o, out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def _layout(num_tokens, num_heads, head_dim, dtype, device, num_kv_heads, num_seqs, max_rows):
+    """(block_m, block_q, block_n, num_warps, num_stages, grid blocks) of a launch."""
+    group = num_heads // num_kv_heads
+    block_m, block_n, num_warps, num_stages = tile_config(head_dim, group, dtype, shared_memory(device), max_rows)
+    block_q = block_m // group
+    # Sequence s's blocks start at query_start_loc[s] // block_q + s, so this bound covers every block
+    # without reading query lengths back to the host.
+    return block_m, block_q, block_n, num_warps, num_stages, num_tokens // block_q + num_seqs
+
+
+def _split_shapes(num_tokens, num_heads, head_dim, dtype, k_cache, page_tables, split_size, max_rows):
+    """(partial_out shape, arrivals shape) of a split launch."""
+    device = k_cache.device
+    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    block_m, _, block_n, _, _, blocks = _layout(num_tokens, num_heads, head_dim, dtype, device, num_kv_heads,
+                                                page_tables.shape[0], max_rows)
+    if not isinstance(split_size, int) or split_size < 1 or split_size % block_n:
+        raise ValueError(f"split_size must be a positive multiple of {block_n} (the key tile), got {split_size!r}")
+    splits = triton.cdiv(page_tables.shape[1] * page_size, split_size)
+    return (blocks, num_kv_heads, splits, block_m, triton.next_power_of_2(head_dim)), (blocks, num_kv_heads)
+
+
+def paged_split_workspace(num_tokens, num_heads, dtype, k_cache, page_tables, split_size, max_rows=256):
+    """The scratch of `paged_attention(..., split_size=split_size)` for num_tokens query rows of num_heads heads
+    in dtype over these caches and page tables; one launch after another on a stream may share it."""
+    out_shape, arrivals_shape = _split_shapes(num_tokens, num_heads, k_cache.shape[3], dtype, k_cache, page_tables,
+                                              split_size, max_rows)
+    device = k_cache.device
+    return SplitWorkspace(torch.empty(out_shape, device=device, dtype=torch.float32),
+                          torch.empty(out_shape[:-1], device=device, dtype=torch.float32),
+                          torch.zeros(arrivals_shape, device=device, dtype=torch.int32))
 
 
 def paged_attention(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, scale,
-                    sliding_window=None, out=None, max_rows=256, positions=None):
+                    sliding_window=None, out=None, max_rows=256, positions=None, split_size=None, workspace=None):
     """Causal attention of every query row over its sequence's pages; returns out (allocated if None).
 
     max_rows caps the rows of a program's tile (see tile_config) for batches of one-token queries, where
@@ -203,32 +321,42 @@ def paged_attention(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc,
 
     positions (int64 [num_tokens]) places each row explicitly (see the module docstring); a row at the same
     position gets the same bits as without them. Their values are not checked here (that would read them back
-    to the host); the reference checks them."""
+    to the host); the reference checks them.
+
+    split_size (a multiple of the key tile, 128 covers every tile): split the context across programs every
+    split_size positions (module docstring), with `workspace` from paged_split_workspace (made here if None).
+    Same rows, rounded differently from the single pass; neither depends on chunking, batch or page size."""
     _check(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, sliding_window, out, positions)
     if max_rows not in (128, 256):
         raise ValueError(f"max_rows must be 128 or 256, got {max_rows!r}")
-    out = torch.empty_like(q) if out is None else out
     num_tokens, num_heads, head_dim = q.shape
+    if split_size is not None:
+        shapes = _split_shapes(num_tokens, num_heads, head_dim, q.dtype, k_cache, page_tables, split_size, max_rows)
+        workspace = (paged_split_workspace(num_tokens, num_heads, q.dtype, k_cache, page_tables, split_size, max_rows)
+                     if workspace is None else check_workspace(workspace, *shapes, q.device, "paged_split_workspace"))
+    elif workspace is not None:
+        raise ValueError("workspace is the split scratch: pass split_size with it")
+    out = torch.empty_like(q) if out is None else out
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    group = num_heads // num_kv_heads
-    block_m, block_n, num_warps, num_stages = tile_config(head_dim, group, q.dtype, shared_memory(q.device), max_rows)
-    block_q = block_m // group
-    # Sequence s's blocks start at query_start_loc[s] // block_q + s, so this bound covers every block
-    # without reading query lengths back to the host.
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
-    _paged_attention_kernel[grid](
+    block_m, block_q, block_n, num_warps, num_stages, blocks = _layout(
+        num_tokens, num_heads, head_dim, q.dtype, q.device, num_kv_heads, num_seqs, max_rows)
+    splits = workspace.partial_out.shape[2] if workspace is not None else 1
+    _paged_attention_kernel[(blocks, num_kv_heads, splits)](
         q, k_cache, v_cache, out, page_tables, seq_lens, query_start_loc, positions,
+        *((workspace.partial_out, workspace.partial_lse, workspace.arrivals) if workspace is not None
+          else (None, None, None)),
         num_seqs, scale * LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), page_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        PAGE_SIZE=k_cache.shape[1], GROUP=group, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
+        PAGE_SIZE=k_cache.shape[1], GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        D_PAD=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None, PRECISION=precision_for(q.dtype),
         PAGES_PER_TILE=pages_per_tile(k_cache.shape[1], block_n), EXPLICIT_POSITIONS=positions is not None,
+        SPLIT_TILES=split_size // block_n if split_size is not None else 0,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
     )
     return out

@@ -247,14 +247,21 @@ def _workspace_for(q, k_cache, page_tables, split_size, workspace):
     shape = (num_seqs, num_heads, num_splits_for(page_tables.shape[1], k_cache.shape[1], split_size), head_dim)
     if workspace is None:
         return split_workspace(*shape[:2], k_cache.shape[2], head_dim, shape[2], q.device)
+    return check_workspace(workspace, shape, (num_seqs, k_cache.shape[2]), q.device, "split_workspace")
+
+
+def check_workspace(workspace, out_shape, arrivals_shape, device, maker):
+    """`workspace` if it is a SplitWorkspace of partial_out out_shape (partial_lse: all but its last dimension) and
+    arrivals arrivals_shape on device; else a TypeError or ValueError naming the field. maker: the function that
+    makes the right one, for the message."""
     if not isinstance(workspace, SplitWorkspace):
-        raise TypeError(f"workspace must be a SplitWorkspace (from split_workspace), got {type(workspace).__name__}")
-    want = {"partial_out": (shape, torch.float32), "partial_lse": (shape[:3], torch.float32),
-            "arrivals": ((num_seqs, k_cache.shape[2]), torch.int32)}
+        raise TypeError(f"workspace must be a SplitWorkspace (from {maker}), got {type(workspace).__name__}")
+    want = {"partial_out": (tuple(out_shape), torch.float32), "partial_lse": (tuple(out_shape[:-1]), torch.float32),
+            "arrivals": (tuple(arrivals_shape), torch.int32)}
     for name, (size, dtype) in want.items():
         t = getattr(workspace, name)
-        if t.shape != size or t.dtype != dtype or t.device != q.device or not t.is_contiguous():
-            raise ValueError(f"workspace.{name} must be contiguous {dtype} {size} on {q.device} for this batch, "
+        if t.shape != size or t.dtype != dtype or t.device != device or not t.is_contiguous():
+            raise ValueError(f"workspace.{name} must be contiguous {dtype} {size} on {device} for this batch, "
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
     return workspace
 
