@@ -92,8 +92,10 @@ def test_tight_pool_preempts_and_recompute_is_bitwise(ckpt, prompts, solo):
     assert_bitwise(outcome, TIGHT, *solo)
 
 
-def test_long_decodes_round_like_prefill(ckpt, prompts, solo):
-    """With split_size 64 the default mode would merge two KV splits here; deterministic decodes stay one pass."""
+def test_long_decodes_round_like_prefill(ckpt, prompts, solo, monkeypatch):
+    """With split_size 64 the default mode would merge two KV splits here, in decodes and (a prefill split every
+    64 positions) in the prompt's short steps; deterministic decodes and prefills stay one pass."""
+    monkeypatch.setattr(chunkwise.engine.model, "PREFILL_SPLIT_SIZE", 64)
     outcome = run_case(ckpt, prompts, LONG, MAX_TOKENS, max_model_len=MAX_MODEL_LEN, split_size=64)
     assert_bitwise(outcome, LONG, *solo)
 
@@ -118,17 +120,23 @@ def test_deterministic_must_be_a_bool(ckpt):
         Engine(ckpt, deterministic="yes")
 
 
-@pytest.mark.parametrize("deterministic, rows", [(True, 128), (False, 256)])
-def test_attention_tiles_are_capped_at_128_rows_only_in_deterministic_mode(ckpt, prompts, monkeypatch,
-                                                                          deterministic, rows):
-    # Deterministic decodes share the prefill's tiles, whose rows past 128 would be padding for them; the
-    # default mode's prefill may take 256 on Hopper (the CPU's interpreter takes 128 either way).
-    seen = []
+@pytest.mark.parametrize("deterministic, split_rows, calls", [
+    (True, 512, {(128, None)}),     # one pass in 128-row tiles, prefill and decodes alike
+    (False, 512, {(128, 512)}),     # short prefill steps split their context, in 128-row tiles
+    (False, 0, {(256, None)}),      # longer ones take one pass, in up to 256 rows
+])
+def test_attention_tiles_and_context_splits_by_mode_and_step(ckpt, prompts, monkeypatch, deterministic, split_rows,
+                                                            calls):
+    # Deterministic decodes share the prefill's tiles, whose rows past 128 would be padding for them, and its
+    # prefill never splits (a token's bits must not depend on the step); the default mode's one pass may take 256
+    # rows on Hopper (the CPU's interpreter takes 128 either way).
+    seen = set()
 
-    def recording(*args, max_rows, **kwargs):
-        seen.append(max_rows)
-        return paged_attention(*args, max_rows=max_rows, **kwargs)
+    def recording(*args, max_rows, split_size=None, **kwargs):
+        seen.add((max_rows, split_size))
+        return paged_attention(*args, max_rows=max_rows, split_size=split_size, **kwargs)
     monkeypatch.setattr(chunkwise.engine.model, "paged_attention", recording)
+    monkeypatch.setattr(chunkwise.engine.model, "PREFILL_SPLIT_ROWS", split_rows)
     eng = Engine(ckpt, deterministic=deterministic, max_model_len=MAX_MODEL_LEN, split_kv_threshold=0)
     eng.generate(prompts[:2], SamplingParams(max_tokens=3))
-    assert seen and set(seen) == {rows}
+    assert seen == calls

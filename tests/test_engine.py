@@ -3,6 +3,8 @@ import numpy as np
 import pytest
 import torch
 
+import chunkwise.engine.model
+from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from chunkwise.engine import Engine, SamplingParams
 
 PROMPTS = [[5, 9, 14, 3, 22, 8, 17], [5, 9, 14, 3, 40, 41], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]]
@@ -181,3 +183,16 @@ def test_prefill_kv_serves_a_prompt_that_fills_the_whole_pool(ckpt):
     assert tight.page_pool.num_free_pages == 2 and not tight.has_unfinished()
     with pytest.raises(ValueError, match="need 3 pages of 2 tokens, the pool has 2"):
         tight.prefill_kv(PROMPTS[1][:5])
+
+
+def test_short_prefill_steps_split_their_context_and_still_match_the_reference(ckpt, reference_engine, monkeypatch,
+                                                                              random_prompt):
+    """Prefill steps of up to PREFILL_SPLIT_ROWS rows split their context across programs (here every 64
+    positions, so 40-token chunks of a 150-token prompt merge up to three splits, beside a decoding request): greedy
+    tokens equal the float32 reference's."""
+    monkeypatch.setattr(chunkwise.engine.model, "PREFILL_SPLIT_SIZE", 64)
+    prompts = [random_prompt(150, VOCAB, seed=1), random_prompt(9, VOCAB, seed=2)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    eng = Engine(ckpt, page_size=16, max_model_len=160, max_num_batched_tokens=40, split_kv_threshold=0)
+    outs = eng.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in reference_engine("qwen3").generate(prompts, params)]

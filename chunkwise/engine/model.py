@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from chunkwise.model_config import ModelConfig
 from chunkwise.kernels import (CascadeGroups, act_and_mul, add_rms_norm, cascade_decode, matmul, paged_attention, rms_norm,
                      rope_cos_sin, rope_store, split_kv_decode)
+from chunkwise.kernels.paged_attention import paged_split_workspace
 from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE, SplitWorkspace, num_splits_for, split_workspace
 from chunkwise.engine.blend import BlendInputs, select_rows
 from chunkwise.engine.parallel.tensor_parallel import TensorParallel
@@ -56,6 +57,16 @@ class StepInputs:
     @property
     def num_prefill_tokens(self) -> int:
         return self.input_ids.shape[0] - self.decode_seq_lens.shape[0]
+
+
+# A step of at most this many prefill rows splits their context across programs every PREFILL_SPLIT_SIZE positions,
+# in 128-row tiles (paged_attention's split_size): such a chunk fills few programs, each sweeping the whole context.
+# Chosen on an H200 (benchmarks/attention_rows.py, CUDA-graph replays, Qwen3-0.6B's 16q/8kv d128): over chunks of
+# 64-512 rows after 512-8192 tokens 2.3x less time than one pass (geometric mean; 512 positions and 128 rows beat
+# 256 or 1024 and 256 rows), and less at every such shape; at 1024 rows or more one pass wins after 2k tokens.
+# bench_engine's decode-heavy workload (such chunks beside up to 256 decodes) measured the same either way.
+PREFILL_SPLIT_ROWS = 512
+PREFILL_SPLIT_SIZE = 512
 
 
 class Model:
@@ -143,6 +154,7 @@ class Model:
                       if self.deterministic else None)
         split_decodes = decode_qsl is None and inp.decode_seq_lens.shape[0] > 0
         workspace = self._split_workspace(inp, kv_caches[0][0]) if split_decodes else None
+        prefill_workspace = self._prefill_workspace(inp, kv_caches[0][0])
         blend = inp.blend
         if blend is not None:
             self._place(blend, kv_caches)
@@ -164,7 +176,7 @@ class Model:
                 rope = [(cos[keep], sin[keep]) for cos, sin in rope]
                 inp = replace(inp, input_ids=inp.input_ids[keep], positions=inp.positions[keep],
                               slot_mapping=inp.slot_mapping[keep], query_start_loc=check.query_start_loc)
-            h = self._attention(i, lw, q, inp, kv_caches[i], decode_qsl, workspace)
+            h = self._attention(i, lw, q, inp, kv_caches[i], decode_qsl, workspace, prefill_workspace)
             if self.cfg.sandwich_norms:
                 x, residual = self._add_norm(h, residual, lw["pre_ff_norm"], lw["post_attn_norm"])
                 pending = lw["post_ff_norm"]
@@ -191,13 +203,28 @@ class Model:
         h = F.embedding(torch.where(inside, local, 0), self.embed)
         return self.tp.all_reduce(h.masked_fill_(~inside[:, None], 0))
 
+    def _heads(self) -> tuple[int, int]:
+        """(query heads, KV heads) of this rank."""
+        if self.tp is not None:
+            return len(self.tp.q_heads), len(self.tp.kv_heads)
+        return self.cfg.num_heads, self.cfg.num_kv_heads
+
     def _split_workspace(self, inp: StepInputs, k_cache: torch.Tensor) -> SplitWorkspace:
         """The split-KV decodes' scratch, made once per step and shared by every layer (one stream)."""
-        cfg, tables = self.cfg, inp.decode_page_tables
-        heads, kv_heads = ((len(self.tp.q_heads), len(self.tp.kv_heads)) if self.tp is not None
-                           else (cfg.num_heads, cfg.num_kv_heads))   # this rank's
-        return split_workspace(tables.shape[0], heads, kv_heads, cfg.head_dim,
+        tables = inp.decode_page_tables
+        heads, kv_heads = self._heads()
+        return split_workspace(tables.shape[0], heads, kv_heads, self.cfg.head_dim,
                                num_splits_for(tables.shape[1], k_cache.shape[1], self.split_size), tables.device)
+
+    def _prefill_workspace(self, inp: StepInputs, k_cache: torch.Tensor) -> SplitWorkspace | None:
+        """The scratch of a step whose prefill rows split their context (PREFILL_SPLIT_ROWS), made once per step for
+        every layer; None for one pass: larger steps, blended rows (whose selection changes their count per layer)
+        and deterministic mode (where a token's bits must not depend on the step that computes it)."""
+        p = inp.num_prefill_tokens
+        if self.deterministic or inp.blend is not None or not 0 < p <= PREFILL_SPLIT_ROWS:
+            return None
+        return paged_split_workspace(p, self._heads()[0], self.embed.dtype, k_cache, inp.page_tables,
+                                     PREFILL_SPLIT_SIZE, max_rows=128)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x @ w.T for a weight w [out, in]: batch-invariant in deterministic mode, torch's BLAS otherwise."""
@@ -246,8 +273,8 @@ class Model:
         return rope_store(self._linear(x, lw["qkv"]), lw.get("qkv_bias"), lw.get("q_norm"), lw.get("k_norm"), cos,
                           sin, inp.slot_mapping, k_cache, v_cache, cfg.rms_norm_eps, cfg.norm_plus_one)
 
-    def _attention(self, i: int, lw: dict, q: torch.Tensor, inp: StepInputs, kv,
-                   decode_qsl: torch.Tensor | None, workspace: SplitWorkspace | None) -> torch.Tensor:
+    def _attention(self, i: int, lw: dict, q: torch.Tensor, inp: StepInputs, kv, decode_qsl: torch.Tensor | None,
+                   workspace: SplitWorkspace | None, prefill_workspace: SplitWorkspace | None) -> torch.Tensor:
         cfg, t = self.cfg, q.shape[0]
         k_cache, v_cache = kv
         out = torch.empty_like(q)
@@ -260,7 +287,11 @@ class Model:
         if p < t:
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 self._decode_attention(q[p:], out[p:], inp, kv, window, decode_qsl, workspace)
-        if p:
+        if p and prefill_workspace is not None:
+            paged_attention(q[:p], k_cache, v_cache, inp.page_tables, inp.seq_lens, inp.query_start_loc,
+                            cfg.attn_scale, sliding_window=window, out=out[:p], max_rows=128,
+                            split_size=PREFILL_SPLIT_SIZE, workspace=prefill_workspace)
+        elif p:
             paged_attention(q[:p], k_cache, v_cache, inp.page_tables, inp.seq_lens, inp.query_start_loc,
                             cfg.attn_scale, sliding_window=window, out=out[:p], max_rows=self.attention_rows,
                             positions=inp.positions[:p] if inp.blend is not None else None)
