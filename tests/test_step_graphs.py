@@ -31,6 +31,7 @@ def graphs_for(max_graph_tokens: int, max_num_seqs: int, budget: int) -> StepGra
 @example(max_graph_tokens=512, n=64, budget=512, prefill=513, decodes=0)     # one past: eager
 @example(max_graph_tokens=8, n=64, budget=512, prefill=7, decodes=1)         # max_graph_tokens caps the budget
 @example(max_graph_tokens=0, n=4, budget=512, prefill=1, decodes=1)          # off
+@example(max_graph_tokens=3, n=1, budget=3, prefill=1, decodes=2)           # more decodes than sequences: eager
 @given(max_graph_tokens=st.integers(0, 700), n=st.integers(1, 300), budget=st.integers(1, 700),
        prefill=st.integers(1, 800), decodes=st.integers(0, 300))
 def test_every_mixed_step_within_the_budget_has_a_graph_that_holds_it_with_bounded_padding(

@@ -213,7 +213,7 @@ class StepGraphs:
                 or host.num_prefill > self.prefill_seqs):
             return None
         prefill_rows = int(host.query_start_loc[-1])
-        if prefill_rows + d > self.budget:
+        if prefill_rows + d > self.budget or d > self.rows:   # more decodes than a graph's sequences: eager
             return None
         dp = min(self.rows, _pow2_at_least(d)) if d else 0
         rows = row_bucket(prefill_rows + dp)
