@@ -145,6 +145,15 @@ class ModelRunner:
                                 item_size=self.cascade_item_size, rows=rows)
         return groups if groups.num_shared else None
 
+    def _prefill_tables(self, seq_lens: np.ndarray) -> torch.Tensor:
+        """The page-table columns an eager step's prefills can read: a split-context launch has a program per split
+        of its tables' width, and those past every sequence's end return at once on a GPU but cost Python time each
+        under the interpreter. Rounded up to 16 pages; the width is the launch's row stride, which the kernel does
+        not specialise on."""
+        table = self.tables.table
+        need = -(-int(seq_lens.max(initial=1)) // self.page_size)
+        return table[:, :min(table.shape[1], -(-need // 16) * 16)]
+
     def _upload(self, host: HostStep) -> StepInputs:
         """Device StepInputs of a host step: one copy per dtype, page tables gathered on the device, pending
         ids filled in from the last step's tokens."""
@@ -158,7 +167,7 @@ class ModelRunner:
             [host.seq_lens[:p], host.seq_lens[p:], host.query_start_loc]
             + (groups.tensors() if groups is not None else []), torch.int32)
         return StepInputs(input_ids=ids, positions=pos, slot_mapping=slots,
-                          page_tables=self.tables.table.index_select(0, prows), seq_lens=lens,
+                          page_tables=self._prefill_tables(host.seq_lens[:p]).index_select(0, prows), seq_lens=lens,
                           query_start_loc=qsl, decode_page_tables=self.tables.table.index_select(0, drows),
                           decode_seq_lens=dlens, logits_indices=logits,
                           cascade=groups.on(*group_tensors) if groups is not None else None,

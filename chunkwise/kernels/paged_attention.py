@@ -179,7 +179,9 @@ def _merge_splits(partial_out_ptr, partial_lse_ptr, slot, first, last, row_ok, d
     return acc / tl.where(total > 0.0, total, 1.0)[:, None]
 
 
-@triton.jit
+# The tables' row stride is the width of the columns a step passes (the runner narrows an eager step's to what it
+# reads): not specialised, so no width compiles a variant the warm-up did not.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     positions_ptr,  # int64 [num_tokens], read if EXPLICIT_POSITIONS (None otherwise)
@@ -250,21 +252,26 @@ def _paged_attention_kernel(
                 BLOCK_M, HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, PAGES_PER_TILE,
             )
             empty = l_i == 0.0   # rows before the split's first key, and padding rows
-            slot = block_idx * tl.num_programs(1) + kv_head   # this (block, KV head)'s partials
-            j = (slot * tl.num_programs(2) + split).to(tl.int64)
-            tl.store(partial_out_ptr + j * (BLOCK_M * D_PAD) + rows[:, None] * D_PAD + d[None, :],
-                     acc / tl.where(empty, 1.0, l_i)[:, None], mask=io_mask)
-            tl.store(partial_lse_ptr + j * BLOCK_M + rows,
-                     tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i))), mask=row_ok)
-            # Every thread's stores precede the arrival (barrier), which releases them to the merging program.
-            tl.debug_barrier()
-            arrival = arrivals_ptr + slot
-            arrived = tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu")
-            if arrived == last - first - 1:
-                tl.store(arrival, 0)  # every split of this (block, KV head) is in: ready for the next launch
-                o = _merge_splits(partial_out_ptr, partial_lse_ptr, (slot * tl.num_programs(2)).to(tl.int64), first,
-                                  last, row_ok, d_ok, BLOCK_M, D_PAD)
+            o = acc / tl.where(empty, 1.0, l_i)[:, None]
+            if last - first == 1:
+                # The block's only split: merging it would weigh it by exp2(0) = 1 and divide by 1, these bits.
                 tl.store(out_ptrs, cast(o, out_ptr.dtype.element_ty), mask=io_mask)
+            else:
+                slot = block_idx * tl.num_programs(1) + kv_head   # this (block, KV head)'s partials
+                j = (slot * tl.num_programs(2) + split).to(tl.int64)
+                tl.store(partial_out_ptr + j * (BLOCK_M * D_PAD) + rows[:, None] * D_PAD + d[None, :], o,
+                         mask=io_mask)
+                tl.store(partial_lse_ptr + j * BLOCK_M + rows,
+                         tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i))), mask=row_ok)
+                # Every thread's stores precede the arrival (barrier), which releases them to the merging program.
+                tl.debug_barrier()
+                arrival = arrivals_ptr + slot
+                arrived = tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu")
+                if arrived == last - first - 1:
+                    tl.store(arrival, 0)  # every split of this (block, KV head) is in: ready for the next launch
+                    o = _merge_splits(partial_out_ptr, partial_lse_ptr, (slot * tl.num_programs(2)).to(tl.int64),
+                                      first, last, row_ok, d_ok, BLOCK_M, D_PAD)
+                    tl.store(out_ptrs, cast(o, out_ptr.dtype.element_ty), mask=io_mask)
     else:
         q = tl.load(q_ptr + row_tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=io_mask,
                     other=0.0)
