@@ -120,10 +120,13 @@ def test_deterministic_must_be_a_bool(ckpt):
         Engine(ckpt, deterministic="yes")
 
 
+FIRST_STEP = sum(PROMPT_LENS[:2])   # prefill rows of the test's first step: both prompts whole
+
+
 @pytest.mark.parametrize("deterministic, split_rows, calls", [
-    (True, 512, {(128, None)}),     # one pass in 128-row tiles, prefill and decodes alike
-    (False, 512, {(128, 512)}),     # short prefill steps split their context, in 128-row tiles
-    (False, 0, {(256, None)}),      # longer ones take one pass, in up to 256 rows
+    (True, 512, {(128, None)}),                 # one pass in 128-row tiles, prefill and decodes alike
+    (False, FIRST_STEP, {(128, 512)}),          # a step of exactly PREFILL_SPLIT_ROWS rows splits, in 128-row tiles
+    (False, FIRST_STEP - 1, {(256, None)}),     # one row more than it takes one pass, in up to 256 rows
 ])
 def test_attention_tiles_and_context_splits_by_mode_and_step(ckpt, prompts, monkeypatch, deterministic, split_rows,
                                                             calls):

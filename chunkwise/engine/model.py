@@ -287,14 +287,13 @@ class Model:
         if p < t:
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 self._decode_attention(q[p:], out[p:], inp, kv, window, decode_qsl, workspace)
-        if p and prefill_workspace is not None:
+        if p:
+            split = prefill_workspace is not None
             paged_attention(q[:p], k_cache, v_cache, inp.page_tables, inp.seq_lens, inp.query_start_loc,
-                            cfg.attn_scale, sliding_window=window, out=out[:p], max_rows=128,
-                            split_size=PREFILL_SPLIT_SIZE, workspace=prefill_workspace)
-        elif p:
-            paged_attention(q[:p], k_cache, v_cache, inp.page_tables, inp.seq_lens, inp.query_start_loc,
-                            cfg.attn_scale, sliding_window=window, out=out[:p], max_rows=self.attention_rows,
-                            positions=inp.positions[:p] if inp.blend is not None else None)
+                            cfg.attn_scale, sliding_window=window, out=out[:p],
+                            max_rows=128 if split else self.attention_rows,
+                            positions=inp.positions[:p] if inp.blend is not None else None,
+                            split_size=PREFILL_SPLIT_SIZE if split else None, workspace=prefill_workspace)
         if side is not None:
             torch.cuda.current_stream(q.device).wait_stream(side)
         out = self._linear(out.reshape(t, -1), lw["o"])

@@ -295,27 +295,28 @@ def _layout(num_tokens, num_heads, head_dim, dtype, device, num_kv_heads, num_se
     return block_m, block_q, block_n, num_warps, num_stages, num_tokens // block_q + num_seqs
 
 
-def _split_shapes(num_tokens, num_heads, head_dim, dtype, k_cache, page_tables, split_size, max_rows):
-    """(partial_out shape, arrivals shape) of a split launch."""
-    device = k_cache.device
-    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
-    block_m, _, block_n, _, _, blocks = _layout(num_tokens, num_heads, head_dim, dtype, device, num_kv_heads,
-                                                page_tables.shape[0], max_rows)
+def _split_shapes(layout, k_cache, page_tables, split_size):
+    """(partial_out shape, arrivals shape) of a split launch of this `_layout`."""
+    block_m, _, block_n, _, _, blocks = layout
     if not isinstance(split_size, int) or split_size < 1 or split_size % block_n:
         raise ValueError(f"split_size must be a positive multiple of {block_n} (the key tile), got {split_size!r}")
-    splits = triton.cdiv(page_tables.shape[1] * page_size, split_size)
-    return (blocks, num_kv_heads, splits, block_m, triton.next_power_of_2(head_dim)), (blocks, num_kv_heads)
+    splits = triton.cdiv(page_tables.shape[1] * k_cache.shape[1], split_size)
+    num_kv_heads = k_cache.shape[2]
+    return (blocks, num_kv_heads, splits, block_m, triton.next_power_of_2(k_cache.shape[3])), (blocks, num_kv_heads)
+
+
+def _new_workspace(out_shape, arrivals_shape, device) -> SplitWorkspace:
+    return SplitWorkspace(torch.empty(out_shape, device=device, dtype=torch.float32),
+                          torch.empty(out_shape[:-1], device=device, dtype=torch.float32),
+                          torch.zeros(arrivals_shape, device=device, dtype=torch.int32))
 
 
 def paged_split_workspace(num_tokens, num_heads, dtype, k_cache, page_tables, split_size, max_rows=256):
     """The scratch of `paged_attention(..., split_size=split_size)` for num_tokens query rows of num_heads heads
     in dtype over these caches and page tables; one launch after another on a stream may share it."""
-    out_shape, arrivals_shape = _split_shapes(num_tokens, num_heads, k_cache.shape[3], dtype, k_cache, page_tables,
-                                              split_size, max_rows)
-    device = k_cache.device
-    return SplitWorkspace(torch.empty(out_shape, device=device, dtype=torch.float32),
-                          torch.empty(out_shape[:-1], device=device, dtype=torch.float32),
-                          torch.zeros(arrivals_shape, device=device, dtype=torch.int32))
+    layout = _layout(num_tokens, num_heads, k_cache.shape[3], dtype, k_cache.device, k_cache.shape[2],
+                     page_tables.shape[0], max_rows)
+    return _new_workspace(*_split_shapes(layout, k_cache, page_tables, split_size), k_cache.device)
 
 
 def paged_attention(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, scale,
@@ -337,19 +338,18 @@ def paged_attention(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc,
     if max_rows not in (128, 256):
         raise ValueError(f"max_rows must be 128 or 256, got {max_rows!r}")
     num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, num_seqs = k_cache.shape[2], seq_lens.shape[0]
+    layout = _layout(num_tokens, num_heads, head_dim, q.dtype, q.device, num_kv_heads, num_seqs, max_rows)
     if split_size is not None:
-        shapes = _split_shapes(num_tokens, num_heads, head_dim, q.dtype, k_cache, page_tables, split_size, max_rows)
-        workspace = (paged_split_workspace(num_tokens, num_heads, q.dtype, k_cache, page_tables, split_size, max_rows)
-                     if workspace is None else check_workspace(workspace, *shapes, q.device, "paged_split_workspace"))
+        shapes = _split_shapes(layout, k_cache, page_tables, split_size)
+        workspace = (_new_workspace(*shapes, q.device) if workspace is None
+                     else check_workspace(workspace, *shapes, q.device, "paged_split_workspace"))
     elif workspace is not None:
         raise ValueError("workspace is the split scratch: pass split_size with it")
     out = torch.empty_like(q) if out is None else out
-    num_kv_heads = k_cache.shape[2]
-    num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    block_m, block_q, block_n, num_warps, num_stages, blocks = _layout(
-        num_tokens, num_heads, head_dim, q.dtype, q.device, num_kv_heads, num_seqs, max_rows)
+    block_m, block_q, block_n, num_warps, num_stages, blocks = layout
     splits = workspace.partial_out.shape[2] if workspace is not None else 1
     _paged_attention_kernel[(blocks, num_kv_heads, splits)](
         q, k_cache, v_cache, out, page_tables, seq_lens, query_start_loc, positions,
