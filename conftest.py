@@ -114,6 +114,7 @@ SMOKE = (
     "tests/test_text.py::test_both_engines_decode_the_same_nonempty_text_and_streamed_text_joins_to_it",
     "tests/test_deterministic.py::test_deterministic_tokens_and_kv_are_bitwise_whatever_the_chunks_pages_batch_arrivals_and_preemption",
     "tests/test_deterministic.py::test_long_decodes_round_like_prefill",
+    "tests/test_deterministic.py::test_attention_tiles_and_context_splits_by_mode_and_step",
     "tests/test_cascade_engine.py::test_cascade_decodes_equal_split_kv_and_the_reference",
 )
 
