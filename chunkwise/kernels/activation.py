@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from chunkwise.kernels.tiling import block_rows, cast, check_float, num_warps_for
+from chunkwise.kernels.tiling import block_rows, cast, cdiv, check_float, next_power_of_2, num_warps_for
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _GPU_BLOCK_COLS = 1024
@@ -72,11 +72,11 @@ def act_and_mul(gate_up, act, out=None):
     if num_tokens == 0:
         return out
     if gate_up.device.type == "cuda":
-        block_i = min(_GPU_BLOCK_COLS, triton.next_power_of_2(inter))
+        block_i = min(_GPU_BLOCK_COLS, next_power_of_2(inter))
     else:
-        block_i = triton.next_power_of_2(inter)
+        block_i = next_power_of_2(inter)
     block_t = block_rows(block_i, gate_up.device)
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(inter, block_i))
+    grid = (cdiv(num_tokens, block_t), cdiv(inter, block_i))
     _act_and_mul_kernel[grid](
         gate_up, out, num_tokens, inter, gate_up.stride(0), out.stride(0),
         GELU_TANH=act == "gelu_pytorch_tanh", BLOCK_T=block_t, BLOCK_I=block_i,

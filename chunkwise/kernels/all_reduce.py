@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from chunkwise.kernels.fused_norm import add_residual, add_rms_norm_ref, store_norm
-from chunkwise.kernels.tiling import block_rows, cast, num_warps_for
+from chunkwise.kernels.tiling import block_rows, cast, next_power_of_2, num_warps_for
 
 POLL_EVERY = tl.constexpr(1024)   # flag reads between polls of the abort word and the clock
 
@@ -164,7 +164,7 @@ class PeerBuffers:
         self.flag_ptrs = torch.tensor(flag_ptrs, dtype=torch.int64, device=device)
         self.tickets = torch.zeros(1, dtype=torch.int64, device=device)
         self.timeout_ns = int(timeout_s * 1e9)
-        self.block_n = triton.next_power_of_2(hidden)
+        self.block_n = next_power_of_2(hidden)
         self.block_r = block_rows(self.block_n, device)   # fixed (the slot argument); fused_norm's, so its bits
         self.num_warps = num_warps_for(self.block_r * self.block_n)
         self.read_delay_ns = 0   # tests only: this rank waits so long between its flags and its reads

@@ -49,7 +49,7 @@ import triton.language as tl
 from chunkwise.kernels.attention_tile import LOG2E, attend_ref, gather_kv_ref, pages_per_tile
 from chunkwise.kernels.split_kv import (DEFAULT_SPLIT_SIZE, _check, _split_partial, _workspace_for, check_batch, launch_splits,
                               merge_splits_ref, split_tile_config)
-from chunkwise.kernels.tiling import precision_for
+from chunkwise.kernels.tiling import next_power_of_2, precision_for
 
 # A shared-split program reads each tile of its split once for all its members, so the taller its tile, the
 # fewer times a shared split is read. Split-KV's row sums come from a dot (see `_split_partial`), so a row's
@@ -64,7 +64,7 @@ MAX_SHARED_ROWS = 128
 
 
 def _rows_for(rows, head_dim):
-    return rows * 128 // max(128, triton.next_power_of_2(head_dim))
+    return rows * 128 // max(128, next_power_of_2(head_dim))
 
 
 def cascade_item_size(head_dim, group):
@@ -83,7 +83,7 @@ def max_item_rows(head_dim, group):
 def shared_tile_rows(item_size, group):
     """BLOCK_M of the shared-split program for items of item_size members: their heads padded to a power of two,
     at least tl.dot's 16."""
-    return max(16, triton.next_power_of_2(item_size * group))
+    return max(16, next_power_of_2(item_size * group))
 
 
 @dataclass(frozen=True)
@@ -371,7 +371,7 @@ def cascade_decode(q, k_cache, v_cache, page_tables, seq_lens, groups, scale, sl
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             PAGE_SIZE=page_size, GROUP=group, MEMBERS=groups.item_size, HEAD_DIM=head_dim,
-            D_PAD=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+            D_PAD=next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
             USE_WINDOW=sliding_window is not None, PRECISION=precision_for(q.dtype),
             PAGES_PER_TILE=pages_per_tile(page_size, block_n),
             num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from chunkwise.kernels.tiling import block_rows, cast, check_float, num_warps_for
+from chunkwise.kernels.tiling import block_rows, cast, cdiv, check_float, next_power_of_2, num_warps_for
 
 
 def _norm_ref(x, weight, eps, plus_one):
@@ -118,10 +118,10 @@ def _launch(x, weight, eps, plus_one, residual, pre_weight, out, residual_out):
     num_rows, hidden = x.shape
     if num_rows == 0:
         return
-    block_n = triton.next_power_of_2(hidden)
+    block_n = next_power_of_2(hidden)
     block_r = block_rows(block_n, x.device)
     res, res_out = (residual, residual_out) if residual is not None else (x, out)  # unread, unwritten
-    _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
+    _rms_norm_kernel[(cdiv(num_rows, block_r),)](
         x, res, weight, pre_weight if pre_weight is not None else weight, out, res_out,
         num_rows, hidden, eps,
         HAS_RES=residual is not None, HAS_PRE=pre_weight is not None, PLUS_ONE=plus_one,

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from chunkwise.kernels.tiling import INTERPRET, cast, check_float, dot, precision_for
+from chunkwise.kernels.tiling import cast, cdiv, check_float, dot, INTERPRET, precision_for
 
 
 def matmul_ref(x, w):
@@ -101,7 +101,7 @@ def matmul(x, w, out=None):
     if m == 0:
         return out
     block_m, block_n, block_k, num_warps, num_stages = matmul_config(n, k, x.dtype, x.device)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    grid = (cdiv(n, block_n), cdiv(m, block_m))
     _matmul_kernel[grid](x, w, out, m, N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                          PRECISION=precision_for(x.dtype), num_warps=num_warps, num_stages=num_stages)
     return out

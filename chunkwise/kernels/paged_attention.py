@@ -34,7 +34,7 @@ import triton.language as tl
 from chunkwise.kernels.attention_tile import (LOG2E, attend_ref, attend_tiles, check_cache, check_window, gather_kv_ref,
                                     pages_per_tile)
 from chunkwise.kernels.split_kv import SplitWorkspace, check_workspace
-from chunkwise.kernels.tiling import cast, precision_for
+from chunkwise.kernels.tiling import cast, cdiv, next_power_of_2, precision_for
 
 
 # A block's opt-in shared memory from which a GPU counts as Hopper-class here (H100/H200: 227 KB; A100: 164 KB):
@@ -56,8 +56,8 @@ def tile_config(head_dim, group, dtype, shared_memory=0, max_rows=256):
     """
     if head_dim <= 128 and dtype != torch.float32:
         rows = 256 if shared_memory >= HOPPER_SHARED_MEMORY and max_rows >= 256 else 128
-        return max(rows, triton.next_power_of_2(group)), 128, 8, 2
-    return max(64, triton.next_power_of_2(group)), 64 if head_dim <= 128 else 32, 4, 2
+        return max(rows, next_power_of_2(group)), 128, 8, 2
+    return max(64, next_power_of_2(group)), 64 if head_dim <= 128 else 32, 4, 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -300,9 +300,9 @@ def _split_shapes(layout, k_cache, page_tables, split_size):
     block_m, _, block_n, _, _, blocks = layout
     if not isinstance(split_size, int) or split_size < 1 or split_size % block_n:
         raise ValueError(f"split_size must be a positive multiple of {block_n} (the key tile), got {split_size!r}")
-    splits = triton.cdiv(page_tables.shape[1] * k_cache.shape[1], split_size)
+    splits = cdiv(page_tables.shape[1] * k_cache.shape[1], split_size)
     num_kv_heads = k_cache.shape[2]
-    return (blocks, num_kv_heads, splits, block_m, triton.next_power_of_2(k_cache.shape[3])), (blocks, num_kv_heads)
+    return (blocks, num_kv_heads, splits, block_m, next_power_of_2(k_cache.shape[3])), (blocks, num_kv_heads)
 
 
 def _new_workspace(out_shape, arrivals_shape, device) -> SplitWorkspace:
@@ -360,7 +360,7 @@ def paged_attention(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         PAGE_SIZE=k_cache.shape[1], GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-        D_PAD=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
+        D_PAD=next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None, PRECISION=precision_for(q.dtype),
         PAGES_PER_TILE=pages_per_tile(k_cache.shape[1], block_n), EXPLICIT_POSITIONS=positions is not None,
         SPLIT_TILES=split_size // block_n if split_size is not None else 0,

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from chunkwise.kernels.rope_store import rope_cos_sin
-from chunkwise.kernels.tiling import block_rows, cast, check_float, num_warps_for
+from chunkwise.kernels.tiling import block_rows, cast, cdiv, check_float, next_power_of_2, num_warps_for
 
 
 def _check(k_cache, v_cache, src_slots, dst_slots, deltas, inv_freq):
@@ -114,11 +114,11 @@ def relocate_kv(k_cache, v_cache, src_slots, dst_slots, deltas, inv_freq, cos_si
         return
     num_kv_heads, head_dim = k_cache.shape[2:]
     half = head_dim // 2
-    half_pad = triton.next_power_of_2(half)
-    heads_pad = triton.next_power_of_2(num_kv_heads)
+    half_pad = next_power_of_2(half)
+    heads_pad = next_power_of_2(num_kv_heads)
     cos, sin = rope_cos_sin(deltas, inv_freq) if cos_sin is None else cos_sin
     block_i = block_rows(heads_pad * 2 * half_pad, k_cache.device)
-    _relocate_kernel[(triton.cdiv(n, block_i),)](
+    _relocate_kernel[(cdiv(n, block_i),)](
         k_cache, v_cache, src_slots, dst_slots, cos, sin, n, num_kv_heads,
         HEAD_DIM=head_dim, HALF=half, HALF_PAD=half_pad, BLOCK_I=block_i, HEADS_PAD=heads_pad,
         num_warps=num_warps_for(block_i * heads_pad * half_pad), enable_fp_fusion=False,

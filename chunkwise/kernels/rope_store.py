@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from chunkwise.kernels.fused_norm import _norm_ref, weigh
-from chunkwise.kernels.tiling import block_rows, cast, check_float, num_warps_for
+from chunkwise.kernels.tiling import block_rows, cast, cdiv, check_float, next_power_of_2, num_warps_for
 
 
 def rope_cos_sin(positions, inv_freq):
@@ -175,10 +175,10 @@ def rope_store(qkv, qkv_bias, q_norm, k_norm, cos, sin, slot_mapping, k_cache, v
     if num_tokens == 0:
         return q_out
     half = head_dim // 2
-    half_pad = triton.next_power_of_2(half)
-    heads_pad = triton.next_power_of_2(num_heads + 2 * num_kv_heads)
+    half_pad = next_power_of_2(half)
+    heads_pad = next_power_of_2(num_heads + 2 * num_kv_heads)
     block_t = block_rows(heads_pad * 2 * half_pad, qkv.device)
-    _rope_store_kernel[(triton.cdiv(num_tokens, block_t),)](
+    _rope_store_kernel[(cdiv(num_tokens, block_t),)](
         qkv, qkv_bias if qkv_bias is not None else qkv, q_norm if q_norm is not None else cos,
         k_norm if k_norm is not None else cos, cos, sin, slot_mapping, q_out, k_cache, v_cache,
         num_tokens, num_heads, num_kv_heads, eps,

@@ -16,11 +16,22 @@ import triton.language as tl
 _INTERPRETER_TILE_ELEMENTS = 65536
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b), for host code: newer Triton makes `triton.cdiv` a constexpr function, whose argument
+    unwrapping costs microseconds a call, and the wrappers run several per launch of every eager step."""
+    return -(a // -b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n < 1), for host code (see cdiv)."""
+    return 1 if n < 1 else 1 << (n - 1).bit_length()
+
+
 def block_rows(row_elements: int, device) -> int:
     """Rows per program (a power of two) for rows of `row_elements` padded elements on `device`."""
-    if torch.device(device).type == "cuda":
+    if (device.type if isinstance(device, torch.device) else torch.device(device).type) == "cuda":
         return 1
-    return max(1, triton.next_power_of_2(_INTERPRETER_TILE_ELEMENTS // row_elements + 1) // 2)
+    return max(1, next_power_of_2(_INTERPRETER_TILE_ELEMENTS // row_elements + 1) // 2)
 
 
 def num_warps_for(tile_elements: int) -> int:
