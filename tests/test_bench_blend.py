@@ -1,7 +1,9 @@
 """benchmarks/bench_blend.py's CPU-side parts: its task generator is seeded and every answer lies in exactly one
 document; its prompts are the pieces it says; and its metrics, run end to end on a tiny model through the reference
-engine, hold their anchors (exact against itself and r = 1 agree fully, r = 0 recomputes no chunk token)."""
+engine, hold their anchors (exact against itself and r = 1 agree fully, r = 0 recomputes no chunk token); and
+benchmarks/blend_ceiling.py recomputes the tokens its oracle picks, a full recompute at ratio 1."""
 import pytest
+import torch
 
 from benchmarks.bench_blend import (DOCS_PER_TASK, POOL_SIZE, SEPARATOR, ByteTokenizer, Framing, build_prompts,
                                     make_pool, make_tasks, run, without_last_token)
@@ -74,3 +76,21 @@ def test_metrics_hold_their_anchors_end_to_end_on_a_tiny_model(tiny_ckpt):
     assert full["outputs"] == exact["outputs"] and full["accuracy"] == exact["accuracy"]
     assert none["recomputed_share"] == 0 and full["recomputed_share"] == 1
     assert none["mean_kl"] > 1e-6, "composing chunks without recompute changed nothing on a random model"
+
+
+def test_the_selection_ceiling_recomputes_what_its_oracle_picks_and_at_ratio_1_is_full_recompute(tiny_ckpt):
+    from benchmarks.blend_ceiling import modes_for, oracle_selection, score_modes
+
+    score = torch.tensor([9.0, 1.0, 5.0, 7.0, 3.0, 8.0])
+    candidate = torch.tensor([False, True, True, True, True, False])
+    assert oracle_selection(score, candidate, 0.5).tolist() == [False, False, True, True, False, False]
+    eng = Engine(tiny_ckpt("llama", max_position_embeddings=4096), dtype="float32", device="cpu")
+    pool, tasks = make_pool(0), make_tasks(0, 1)
+    prompts, answers = build_prompts(eng, ByteTokenizer(), pool, tasks)
+    got = score_modes(eng, prompts[0], answers[0], modes_for([1.0]))
+    n = len(answers[0])
+    for label in ("oracle-all r=1", "oracle-layer1 r=1", "kv-deviation r=1"):
+        agree, kl, share = got[label]
+        assert agree == n and kl < 1e-9 and share == 1, label
+    agree, kl, share = got["r=0"]
+    assert share == 0 and kl > 1e-6

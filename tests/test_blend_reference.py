@@ -153,6 +153,18 @@ def test_chunk_heads_computes_exactly_each_chunks_first_tokens(reference_engine,
         torch.testing.assert_close(out.v[:, pos], moved[pos][1], atol=0, rtol=0)
 
 
+def test_a_given_selection_is_computed_at_every_layer_in_place_of_the_policys(reference_engine):
+    eng = reference_engine("qwen3", num_hidden_layers=3)
+    prompt = composite(eng, seed=5)
+    selection = torch.zeros(37, dtype=torch.bool)
+    selection[[0, 5, 9, 20, 30, 36]] = True   # text rows and the last token are computed anyway
+    out = blend_prefill(eng.model, flat(prompt), pieces_of(prompt), Blend(0.15, "kv-deviation"), selection=selection)
+    assert [(r.blended, r.recomputed) for r in out.chunk_reuse] == [(0, 4), (9, 2), (0, 3), (11, 2), (0, 6)]
+    moved = placed(eng, prompt)
+    for layer in (1, 2):
+        assert fresh_rows(out, moved, layer) == [5, 9, 20, 30], layer
+
+
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "llama"])
 @pytest.mark.parametrize("ratio", [0.05, 0.15, 0.3, 0.6])
 def test_kv_deviation_filters_gradually_down_to_k_of_r_candidates(reference_engine, family, ratio):

@@ -70,13 +70,15 @@ def placed_kv(model: ReferenceModel, k: torch.Tensor, v: torch.Tensor, start: in
 
 @torch.inference_mode()
 def blend_prefill(model: ReferenceModel, token_ids: list[int], pieces: tuple[Piece, ...] | None, blend: Blend,
-                  c0: int = 0, isolated=None, page_size: int | None = None) -> BlendResult:
+                  c0: int = 0, isolated=None, page_size: int | None = None,
+                  selection: torch.Tensor | None = None) -> BlendResult:
     """The blended cache of a prompt (`pieces` as chunkwise.chunks.Piece, None for a plain prompt: nothing to
     blend) and its last row's logits. `c0`: the leading tokens whose K/V are exact (a prefix-cache hit), in
     [0, L - 1]. `isolated(chunk)` -> (k, v) [layers, n, K, D] of the chunk alone, default `model.forward` on
     its ids (an engine may pass a memo: they depend on the chunk's ids only). `page_size`: a chunk's stored
     tokens are its full pages' (the fast engine keeps a chunk's K/V in its full pages; its tail is computed like
-    text); None: all its tokens."""
+    text); None: all its tokens. `selection` (bool [L], for a diagnostic): the candidates computed at every
+    layer, in place of the policy's choice."""
     cfg, n_tokens = model.cfg, len(token_ids)
     if not 0 <= c0 < n_tokens:
         raise ValueError(f"c0={c0!r} must be in [0, {n_tokens - 1}] for a prompt of {n_tokens} tokens")
@@ -113,13 +115,16 @@ def blend_prefill(model: ReferenceModel, token_ids: list[int], pieces: tuple[Pie
 
     fixed = torch.zeros(n_tokens, dtype=torch.bool, device=device)
     fixed[c0:] = ~candidate[c0:]
-    if blend.policy == "chunk-heads":
+    if selection is not None:
+        kept = candidate & selection.to(device)
+    elif blend.policy == "chunk-heads":
         kept = candidate & heads
     elif r == 0:
         kept = torch.zeros_like(candidate)
     else:
         kept = candidate.clone()
-    num_checks = check_layers(cfg.num_layers) if blend.policy == "kv-deviation" and r > 0 else 0
+    num_checks = (check_layers(cfg.num_layers) if blend.policy == "kv-deviation" and r > 0 and selection is None
+                  else 0)
 
     x = model.embed(ids)                                                   # [L, hidden]; computed rows only
     for layer in range(cfg.num_layers):
