@@ -75,7 +75,7 @@ def _batch(heads, kv_heads, head_dim, dtype, lens, gen):
 def cases():
     """(name, launch): a few of the engines' Hopper configurations (a compile takes 2-60 s on a CPU, so not
     every dtype and shape): prefill attention's 256-row bf16 tiles (with implicit and explicit positions), its
-    128-row tiles with the context split (as the engine's short steps take them),
+    128-row tiles with the context split (as the engine's short steps take them), deterministic decodes' 64 rows,
     split-KV's largest (fp32 d256) and cascade's shared-split tiles."""
     gen = torch.Generator().manual_seed(0)
     q, c = _batch(16, 8, 128, torch.bfloat16, [600, 40], gen)
@@ -87,6 +87,8 @@ def cases():
     yield "paged_attention bf16 16q/8kv d128 split context", lambda: paged_attention(
         q, c.k_cache, c.v_cache, c.page_tables, c.seq_lens, query_start_loc([1, 1]), 0.1, split_size=512,
         max_rows=128)
+    yield "paged_attention bf16 16q/8kv d128 deterministic decodes", lambda: paged_attention(
+        q, c.k_cache, c.v_cache, c.page_tables, c.seq_lens, query_start_loc([1, 1]), 0.1, max_rows=64)
     q2, c2 = _batch(8, 1, 256, torch.float32, [600, 40], gen)
     yield "split_kv_decode fp32 8q/1kv d256", lambda: split_kv_decode(
         q2, c2.k_cache, c2.v_cache, c2.page_tables, c2.seq_lens, 0.1, sliding_window=512, split_size=512)

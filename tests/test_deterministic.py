@@ -124,15 +124,15 @@ FIRST_STEP = sum(PROMPT_LENS[:2])   # prefill rows of the test's first step: bot
 
 
 @pytest.mark.parametrize("deterministic, split_rows, calls", [
-    (True, 512, {(128, None)}),                 # one pass in 128-row tiles, prefill and decodes alike
+    (True, 512, {(128, None), (64, None)}),     # one pass: prefill in 128-row tiles, decodes in 64 (same bits)
     (False, FIRST_STEP, {(128, 512)}),          # a step of exactly PREFILL_SPLIT_ROWS rows splits, in 128-row tiles
     (False, FIRST_STEP - 1, {(256, None)}),     # one row more than it takes one pass, in up to 256 rows
 ])
 def test_attention_tiles_and_context_splits_by_mode_and_step(ckpt, prompts, monkeypatch, deterministic, split_rows,
                                                             calls):
-    # Deterministic decodes share the prefill's tiles, whose rows past 128 would be padding for them, and its
-    # prefill never splits (a token's bits must not depend on the step); the default mode's one pass may take 256
-    # rows on Hopper (the CPU's interpreter takes 128 either way).
+    # Deterministic decodes take the prefill's key tiles in one warpgroup's rows (the same bits), and its prefill
+    # never splits (a token's bits must not depend on the step); the default mode's one pass may take 256 rows on
+    # Hopper (the CPU's interpreter takes 128 either way).
     seen = set()
 
     def recording(*args, max_rows, split_size=None, **kwargs):

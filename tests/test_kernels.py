@@ -166,7 +166,7 @@ def _small_case():
     (dict(page_tables=torch.zeros(1, 4, dtype=torch.int64)), "page_tables must be int32"),
     (dict(seq_lens=torch.tensor([10], dtype=torch.int64)), "seq_lens must be int32"),
     (dict(query_start_loc=torch.tensor([0, 1, 3], dtype=torch.int32)), "query_start_loc must be int32 \\[2\\]"),
-    (dict(max_rows=64), "max_rows must be 128 or 256, got 64"),
+    (dict(max_rows=32), "max_rows must be 64, 128 or 256, got 32"),
     (dict(split_size=100), "split_size must be a positive multiple of 64 \\(the key tile\\), got 100"),
     (dict(workspace=object()), "workspace is the split scratch: pass split_size with it"),
     (dict(split_size=128, workspace=object()), "workspace must be a SplitWorkspace"),
@@ -183,11 +183,15 @@ def test_paged_attention_rejects_bad_arguments_naming_them(change, match):
             fn(**args)
 
 
-def test_tiles_take_256_rows_only_where_shared_memory_holds_them():
+def test_tiles_take_256_rows_only_where_shared_memory_holds_them_and_64_when_capped():
     pa = importlib.import_module("chunkwise.kernels.paged_attention")   # the package re-exports the function of that name
     assert pa.shared_memory(torch.device("cpu")) == 0
     assert pa.tile_config(128, 2, torch.bfloat16, 0)[0] == 128
     assert pa.tile_config(128, 2, torch.bfloat16, 164 * 1024)[0] == 128   # A100: 256 rows not measured there
     assert pa.tile_config(128, 2, torch.bfloat16, 227 * 1024)[0] == 256   # Hopper
     assert pa.tile_config(128, 2, torch.bfloat16, 227 * 1024, max_rows=128)[0] == 128
+    # one warpgroup of the same 128-key tiles, on any device
+    assert [pa.tile_config(128, 2, torch.bfloat16, smem, max_rows=64)
+            for smem in (0, 227 * 1024)] == [(64, 128, 4, 2)] * 2
+    assert pa.tile_config(128, 128, torch.bfloat16, 0, max_rows=64)[0] == 128   # a GQA group needs its rows
     assert pa.tile_config(128, 2, torch.float32, 227 * 1024)[0] == 64

@@ -17,6 +17,7 @@ def test_attention_kernels_compile_for_hopper_and_fit_its_shared_memory():
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert {r["kernel"] for r in rows} == {"_paged_attention_kernel", "_split_kernel", "_shared_split_kernel"}
     # The launcher took its Hopper tiles (the interpreter's 128 rows would not prove them), with implicit positions
-    # and with explicit ones; and the split context's 128-row tiles, 4 key tiles a split.
+    # and with explicit ones; the split context's 128-row tiles, 4 key tiles a split; deterministic decodes' 64.
     assert [(r["BLOCK_M"], r["EXPLICIT_POSITIONS"], r["SPLIT_TILES"]) for r in rows
-            if r["kernel"] == "_paged_attention_kernel"] == [(256, False, 0), (256, True, 0), (128, False, 4)]
+            if r["kernel"] == "_paged_attention_kernel"] == [(256, False, 0), (256, True, 0), (128, False, 4),
+                                                             (64, False, 0)]

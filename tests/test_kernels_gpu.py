@@ -89,6 +89,17 @@ def test_chunked_prefill_is_bitwise_equal_to_one_pass_across_page_sizes_and_batc
         assert torch.equal(torch.cat(pieces), whole), f"page_size {page_size}"
 
 
+@pytest.mark.parametrize("heads, kv_heads, sliding", [(16, 8, None), (32, 8, None), (8, 1, 300)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_64_row_tiles_give_the_128_row_tiles_bits_for_decodes_and_prefill_chunks(dtype, heads, kv_heads, sliding):
+    """Deterministic mode's decodes take 64-row tiles and its prefill 128: a token's bits must not depend on which."""
+    for seqs in (MIXED, [(100 * i + 37, 1) for i in range(200)]):
+        cache, q, q_lens, seq_lens = _mixed_batch(heads, kv_heads, 128, dtype, seqs, 16, seed=len(seqs))
+        rows = [_attend(paged_attention, cache, q, q_lens, seq_lens, 128 ** -0.5, window=sliding, max_rows=m)
+                for m in (64, 128)]
+        assert torch.equal(*rows), f"{len(seqs)} sequences"
+
+
 def test_split_context_prefill_reuses_its_workspace_and_is_race_free():
     """One workspace through 30 launches (chunks of 512 and 64 rows and decodes after 1k-16k tokens, the splits'
     arrivals reused): every launch gives the first one's bits, and the arrivals are left zero."""

@@ -44,19 +44,22 @@ HOPPER_SHARED_MEMORY = 200 * 1024
 
 def tile_config(head_dim, group, dtype, shared_memory=0, max_rows=256):
     """(BLOCK_M rows, BLOCK_N keys per tile, num_warps, num_stages) for a head_dim, GQA group size and dtype, on a
-    device whose blocks may take `shared_memory` bytes (0: the CPU's interpreter); max_rows (128 or 256) caps
+    device whose blocks may take `shared_memory` bytes (0: the CPU's interpreter); max_rows (64, 128 or 256) caps
     the rows where the GQA group allows.
 
     Picked on an H200 by benchmarks/sweep_kernels.py (bf16, d128, 32q/8kv): 128x128 tiles with 8 warps ran
     chunked prefill at ~245 TFLOP/s against ~210 for 64x64. On Hopper the rows double to 256: over the
     prefill-heavy engine's chunk shapes (Qwen3's 16q/8kv, 2k-8k new tokens after 0-4k cached) 12% less time
     than 128 rows on an H200 (6% less than 128 rows on three stages; 16 warps or 64-key tiles were slower),
-    with the same bits on every shape measured. fp32 tiles of that size overflow shared memory, and d256 keeps
-    small tiles for registers.
+    with the same bits on every shape measured. 64 rows (one warpgroup, the same 128-key tiles) are for batches of
+    one-token queries, mostly padding in taller tiles: on an H100 decode batches took 15-17% less time on them
+    than on 128 rows, with the same bits as 128 rows on every shape measured (decode batches and prefill chunks,
+    16 and 32 query heads over 8), while larger prefill chunks were slower. fp32 tiles of 128 rows overflow shared
+    memory, and d256 keeps small tiles for registers.
     """
     if head_dim <= 128 and dtype != torch.float32:
-        rows = 256 if shared_memory >= HOPPER_SHARED_MEMORY and max_rows >= 256 else 128
-        return max(rows, next_power_of_2(group)), 128, 8, 2
+        rows = 256 if shared_memory >= HOPPER_SHARED_MEMORY and max_rows >= 256 else min(128, max_rows)
+        return max(rows, next_power_of_2(group)), 128, 8 if rows >= 128 else 4, 2
     return max(64, next_power_of_2(group)), 64 if head_dim <= 128 else 32, 4, 2
 
 
@@ -323,9 +326,8 @@ def paged_attention(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc,
                     sliding_window=None, out=None, max_rows=256, positions=None, split_size=None, workspace=None):
     """Causal attention of every query row over its sequence's pages; returns out (allocated if None).
 
-    max_rows caps the rows of a program's tile (see tile_config) for batches of one-token queries, where
-    a tile taller than 128 rows would be padding (deterministic mode's decodes, which share the prefill's
-    tiles and so pass the same cap there too).
+    max_rows (64, 128 or 256) caps the rows of a program's tile (see tile_config): deterministic mode's prefill
+    takes 128, its one-token decodes 64 (the same bits, tile_config says where measured).
 
     positions (int64 [num_tokens]) places each row explicitly (see the module docstring); a row at the same
     position gets the same bits as without them. Their values are not checked here (that would read them back
@@ -335,8 +337,8 @@ def paged_attention(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc,
     split_size positions (module docstring), with `workspace` from paged_split_workspace (made here if None).
     Same rows, rounded differently from the single pass; neither depends on chunking, batch or page size."""
     _check(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, sliding_window, out, positions)
-    if max_rows not in (128, 256):
-        raise ValueError(f"max_rows must be 128 or 256, got {max_rows!r}")
+    if max_rows not in (64, 128, 256):
+        raise ValueError(f"max_rows must be 64, 128 or 256, got {max_rows!r}")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_seqs = k_cache.shape[2], seq_lens.shape[0]
     layout = _layout(num_tokens, num_heads, head_dim, q.dtype, q.device, num_kv_heads, num_seqs, max_rows)
