@@ -159,6 +159,11 @@ MUTANTS = [
            "        need = -(-int(seq_lens.max(initial=1)) // self.page_size)\n",
            "        need = int(seq_lens.max(initial=1)) // self.page_size\n",
            "an eager step's prefill page tables are cut one page short of the longest sequence's last (partial) page"),
+    Mutant("decode_tiles_take_64_keys", "chunkwise/kernels/paged_attention.py",
+           "        return max(rows, next_power_of_2(group)), 128, 8 if rows >= 128 else 4, 2\n",
+           "        return max(rows, next_power_of_2(group)), 128 if rows >= 128 else 64, 8 if rows >= 128 else 4, 2\n",
+           "deterministic decodes' 64-row tiles also take 64-key tiles: their online softmax rounds differently from "
+           "the prefill's, so a token's bits depend on which computed it"),
     Mutant("host_cdiv_floors", "chunkwise/kernels/tiling.py",
            "    return -(a // -b)\n",
            "    return a // b\n",
