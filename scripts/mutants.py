@@ -201,7 +201,7 @@ MUTANTS = [
            "    for j in tl.range(first, last - 1, loop_unroll_factor=8):\n",
            "the merge leaves out the last split"),
     Mutant("split_count_rounded_down", "chunkwise/kernels/split_kv.py",
-           "    return triton.cdiv(max_pages_per_seq * page_size, split_size)\n",
+           "    return cdiv(max_pages_per_seq * page_size, split_size)\n",
            "    return max_pages_per_seq * page_size // split_size\n",
            "the number of splits is rounded down, so a partly filled last split is never computed"),
     Mutant("merge_without_max_lse", "chunkwise/kernels/split_kv.py",
