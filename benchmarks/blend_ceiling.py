@@ -62,12 +62,7 @@ def score_modes(engine, prompt: list, answer: list[int], modes: dict) -> dict[st
     moved = blend(Blend(0.0))
     dev = deviation(full_k, full_v, moved)
     scores = {"all": dev.sum(0), "layer1": dev[min(1, dev.shape[0] - 1)]}
-    candidate = torch.zeros(len(ids), dtype=torch.bool, device=device)
-    start = 0
-    for p in pieces:
-        if p.chunk is not None:
-            candidate[start:start + p.num_tokens] = True
-        start += p.num_tokens
+    candidate = torch.tensor([p.chunk is not None for p in pieces for _ in range(p.num_tokens)], device=device)
     candidate[-1] = False   # the prompt's last token is always computed
     chunk_tokens = sum(p.num_tokens for p in pieces if p.chunk is not None)
     out = {}

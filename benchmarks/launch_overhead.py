@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import time
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -23,13 +22,11 @@ import chunkwise.engine.model as model_module
 from benchmarks.bench_engine import QWEN3_0_6B_SHAPE
 from chunkwise.checkpoints import tiny_checkpoint
 from chunkwise.engine import Engine
-from chunkwise.engine.host_step import HostStep
+from chunkwise.engine.host_step import synthetic_step
 
 WRAPPERS = ("paged_attention", "split_kv_decode", "rope_store", "add_rms_norm", "rms_norm", "act_and_mul",
             "rope_cos_sin")
-STEPS = {"2048 new tokens after 2048": ([(2048, 4096)], []),
-         "512 new tokens after 1536, 12 decodes": ([(512, 2048)], [1200] * 12),
-         "12 decodes": ([], [1200] * 12)}
+STEPS = {"prefill 2048": ([2048], 0), "chunk 512 + 12 decodes": ([512], 12), "12 decodes": ([], 12)}
 
 
 class Timers:
@@ -85,19 +82,6 @@ def floor_us(launch, n: int = 2000) -> float:
     return seconds / n * 1e6
 
 
-def host_step(chunks, decodes) -> HostStep:
-    """A step of prefill chunks ((new tokens, context after), ...) and decodes (context each), storing nothing."""
-    lens = np.array([c for c, _ in chunks] + [1] * len(decodes), np.int64)
-    ctx = np.array([t for _, t in chunks] + list(decodes), np.int64)
-    ends = np.cumsum(lens)
-    pos = np.concatenate([np.arange(t - c, t) for c, t in zip(lens, ctx)])
-    return HostStep(ids=np.ones(len(pos), np.int64), positions=pos, slots=np.full(len(pos), -1, np.int64),
-                    logits_indices=ends - 1, rows=np.arange(len(lens), dtype=np.int64),
-                    seq_lens=ctx.astype(np.int32),
-                    query_start_loc=np.concatenate(([0], ends[:len(chunks)])).astype(np.int32),
-                    num_prefill=len(chunks))
-
-
 def main(reps: int = 5) -> None:
     x = torch.zeros(16, device="cuda")
     ints = list(range(3, 32))
@@ -108,15 +92,11 @@ def main(reps: int = 5) -> None:
     eng = Engine(ckpt, dtype="bfloat16", max_model_len=4096, max_num_batched_tokens=8192, max_num_seqs=64,
                  enforce_eager=True, gpu_memory_utilization=0.5)
     runner = eng.executor.runner
-    pages = runner.kv.layers[0][0].shape[0]
-    width = runner.tables.table.shape[1]
-    rows = torch.arange(width, device="cuda")[None, :] + width * torch.arange(64, device="cuda")[:, None]
-    runner.tables.table.copy_(rows % pages)   # every table row names real pages: the steps read, never store
     timers = Timers()
     timers.install()
     with torch.inference_mode():
         for name, (chunks, decodes) in STEPS.items():
-            inp = runner._upload(host_step(chunks, decodes))
+            inp = runner._upload(synthetic_step(chunks, decodes))   # host time does not depend on the context
             for _ in range(3):
                 runner.model.forward(inp, runner.kv.layers)
             torch.cuda.synchronize()

@@ -156,7 +156,7 @@ MUTANTS = [
            "            if last - first <= 2:\n",
            "a block of two splits writes each split's own result as its output instead of merging them"),
     Mutant("prefill_tables_narrowed_past_the_last_page", "chunkwise/engine/model_runner.py",
-           "        need = -(-int(seq_lens.max(initial=1)) // self.page_size)\n",
+           "        need = cdiv(int(seq_lens.max(initial=1)), self.page_size)\n",
            "        need = int(seq_lens.max(initial=1)) // self.page_size\n",
            "an eager step's prefill page tables are cut one page short of the longest sequence's last (partial) page"),
     Mutant("decode_tiles_take_64_keys", "chunkwise/kernels/paged_attention.py",

@@ -60,13 +60,14 @@ class StepInputs:
 
 
 # A step of at most this many prefill rows splits their context across programs every PREFILL_SPLIT_SIZE positions,
-# in 128-row tiles (paged_attention's split_size): such a chunk fills few programs, each sweeping the whole context.
+# in PREFILL_SPLIT_TILE_ROWS-row tiles (paged_attention's split_size): such a chunk fills few programs, each sweeping the whole context.
 # Chosen on an H200 (benchmarks/attention_rows.py, CUDA-graph replays, Qwen3-0.6B's 16q/8kv d128): over chunks of
 # 64-512 rows after 512-8192 tokens 2.3x less time than one pass (geometric mean; 512 positions and 128 rows beat
 # 256 or 1024 and 256 rows), and less at every such shape; at 1024 rows or more one pass wins after 2k tokens.
 # bench_engine's decode-heavy workload (such chunks beside up to 256 decodes) measured the same either way.
 PREFILL_SPLIT_ROWS = 512
 PREFILL_SPLIT_SIZE = 512
+PREFILL_SPLIT_TILE_ROWS = 128   # the split launches' tile cap, and so their workspace's
 # Deterministic decodes' tile rows: one warpgroup of the prefill's 128-key tiles. One-token queries leave taller
 # tiles mostly padding; on an H100 decode batches took 15-17% less time than on 128 rows.
 DETERMINISTIC_DECODE_ROWS = 64
@@ -87,9 +88,8 @@ class Model:
         self.reduce_in_norm = (tp is not None and tp.custom is not None and not cfg.sandwich_norms
                                and not cfg.o_proj_bias)
         self.embed = weights["model.embed_tokens.weight"]
-        # Deterministic mode's prefill takes 128-row tiles and its decodes (paged_attention over one-token
-        # queries) DETERMINISTIC_DECODE_ROWS, whose bits are the same (tile_config; tests/test_kernels_gpu.py
-        # checks it on the GPU), so a token's bits do not depend on which computed it.
+        # Prefill tiles' rows. Deterministic mode keeps 128, whose bits its decodes' DETERMINISTIC_DECODE_ROWS
+        # share (tile_config; tests/test_kernels_gpu.py), so a token's bits do not depend on which computed it.
         self.attention_rows = 128 if deterministic else 256
         # A mixed step's split-KV decodes (memory-bound) run on this stream beside its prefill attention
         # (compute-bound, one 256-row program per SM), on the SMs the prefill's last wave leaves idle (H200,
@@ -228,7 +228,7 @@ class Model:
         if self.deterministic or inp.blend is not None or not 0 < p <= PREFILL_SPLIT_ROWS:
             return None
         return paged_split_workspace(p, self._heads()[0], self.embed.dtype, k_cache, inp.page_tables,
-                                     PREFILL_SPLIT_SIZE, max_rows=128)
+                                     PREFILL_SPLIT_SIZE, max_rows=PREFILL_SPLIT_TILE_ROWS)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x @ w.T for a weight w [out, in]: batch-invariant in deterministic mode, torch's BLAS otherwise."""
@@ -295,7 +295,7 @@ class Model:
             split = prefill_workspace is not None
             paged_attention(q[:p], k_cache, v_cache, inp.page_tables, inp.seq_lens, inp.query_start_loc,
                             cfg.attn_scale, sliding_window=window, out=out[:p],
-                            max_rows=128 if split else self.attention_rows,
+                            max_rows=PREFILL_SPLIT_TILE_ROWS if split else self.attention_rows,
                             positions=inp.positions[:p] if inp.blend is not None else None,
                             split_size=PREFILL_SPLIT_SIZE if split else None, workspace=prefill_workspace)
         if side is not None:

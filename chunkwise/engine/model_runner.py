@@ -28,6 +28,7 @@ import torch
 
 from chunkwise.engine_config import EngineConfig
 from chunkwise.kernels.cascade import CascadeGroups, cascade_groups, cascade_item_size
+from chunkwise.kernels.tiling import cdiv
 from chunkwise.engine.blend import BlendInputs, CheckLayer, plan_rows
 from chunkwise.engine.cuda_graphs import StepGraphs
 from chunkwise.engine.host_step import ALIGN, HostStep, Launched, fill_pending, synthetic_step
@@ -151,8 +152,8 @@ class ModelRunner:
         under the interpreter. Rounded up to 16 pages; the width is the launch's row stride, which the kernel does
         not specialise on."""
         table = self.tables.table
-        need = -(-int(seq_lens.max(initial=1)) // self.page_size)
-        return table[:, :min(table.shape[1], -(-need // 16) * 16)]
+        need = cdiv(int(seq_lens.max(initial=1)), self.page_size)
+        return table[:, :min(table.shape[1], cdiv(need, 16) * 16)]
 
     def _upload(self, host: HostStep) -> StepInputs:
         """Device StepInputs of a host step: one copy per dtype, page tables gathered on the device, pending
