@@ -18,9 +18,11 @@ Modes:
   engine  a loop on this thread adds each request when its arrival time has passed and calls `engine.step()`; a
           token is stamped when step() returns it.
   http    the server of `python -m chunkwise serve` in this process (chunkwise.serve.cli.serving: uvicorn on a free
-          127.0.0.1 port, the engine stepping on its own thread); a client in a child process (httpx, asyncio: one
-          streamed /v1/completions request per arrival) stamps each token's event when it arrives. The client has a
-          process of its own so that parsing its streams takes no GIL time from the server and the engine.
+          127.0.0.1 port) over an engine built alike (the same options) in a process of its own, as the command
+          runs it (--http-engine thread: this process's engine, stepped on a thread); a client in a child process
+          (httpx, asyncio: one streamed /v1/completions request per arrival) stamps each token's event when it
+          arrives. The client has a process of its own so that parsing its streams takes no GIL time from the
+          server. An engine process's steps are not seen from here: its runs report no steps, paths or compiles.
 Latencies count from the scheduled arrival: TTFT to the first token, ITL the gaps between consecutive tokens of one
 request, E2E to its last token. Per mode and rate: their p50/p90/p99 (and ITL's max), output tokens/s (tokens over
 the run's duration: first arrival to last token), and goodput: the share (and rate) of requests whose TTFT is at most
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib.util
 import itertools
 import json
@@ -58,6 +61,7 @@ from benchmarks.step_timer import StepTimer
 from chunkwise.checkpoints import tiny_checkpoint
 from chunkwise.engine import Engine, SamplingParams
 from chunkwise.serve.cli import add_engine_options, engine_kwargs, serving
+from chunkwise.serve.engine_core import EngineCore
 
 MODES = ("engine", "http")
 SERVED_NAME = "bench"
@@ -286,11 +290,12 @@ def markdown(results: dict) -> str:
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results["runs"]:
         g = r["goodput"]
-        step = "-" if r["decode_step_ms"] is None else f"{r['decode_step_ms']:.2f} ({r['decode_batch_median']:.0f})"
+        step = ("-" if r.get("decode_step_ms") is None   # none, or stepped in the engine process
+                else f"{r['decode_step_ms']:.2f} ({r['decode_batch_median']:.0f})")
         rows.append(f"| {r['mode']} | {r['rate']:g} | {r['duration_s']:.1f} | {r['output_tokens_per_s']:.0f} "
                     f"| {_ms(r['ttft_ms'], ('p50', 'p90', 'p99'))} | {_ms(r['itl_ms'], ('p50', 'p90', 'p99', 'max'))} "
                     f"| {_ms(r['e2e_ms'], ('p50', 'p90', 'p99'), 1e-3)} | {g['fraction']:.0%} "
-                    f"({g['requests_per_s']:.1f}/s) | {step} | {r['compiles']} |")
+                    f"({g['requests_per_s']:.1f}/s) | {step} | {'-' if r['compiles'] is None else r['compiles']} |")
     if results["decode_windows"]:
         rows += ["", "Standalone decode-only steps (after the prefill and warm-up steps):", "",
                  "| sequences | prompt tokens | step ms | tok/s | all decode-only |", "|---:|---:|---:|---:|---|"]
@@ -380,6 +385,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len-range", type=_length_range("--output-len-range"), default=(64, 256),
                    help="output tokens, LOW,HIGH uniform (default 64,256)")
     p.add_argument("--modes", type=_modes, default=list(MODES), help="engine, http or both (default engine,http)")
+    p.add_argument("--http-engine", choices=["process", "thread"], default="process",
+                   help="http mode's engine: in a process of its own (default, as `chunkwise serve`), or this "
+                        "process's engine on a thread (`chunkwise serve --no-engine-process`)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ttft-target-ms", type=float, default=200.0, help="goodput's TTFT target (default 200)")
     p.add_argument("--itl-target-ms", type=float, default=50.0,
@@ -434,6 +442,7 @@ class Bench:
         kwargs.setdefault("max_model_len", args.input_len_range[1] + args.output_len_range[1])
         began = time.perf_counter()
         self.engine = Engine(model, **kwargs)
+        self.model, self.kwargs = model, kwargs
         self.construct_s = time.perf_counter() - began
         cfg = self.engine.engine_config
         too_big = [b for b in args.decode_batches if b > cfg.max_num_seqs]
@@ -466,17 +475,18 @@ class Bench:
     def record(self, mode: str, rate: float, run) -> None:
         """Runs `run(requests) -> (start, traces)` on the rate's requests, timed; keeps its summary."""
         requests = self.workload.requests(rate, next(self.runs))
+        here = mode == "engine" or self.args.http_engine == "thread"   # whether this process steps the engine
         steps, compiles = len(self.timer.steps), len(COMPILED)
-        launches = dict(self.engine.executor.runner.launches)
+        launches = dict(self.engine.executor.runner.launches) if here else {}
         start, traces = run(requests)
         check_traces(traces, requests, f"{mode} mode at {rate:g} req/s")
         if mode == "engine":
             self.engine_runs[rate] = requests, traces
         # Steps by kind and path (CUDA graph or eager) during the run: what a latency tail came from.
         paths = {f"{kind} {path}": n - launches.get((kind, path), 0)
-                 for (kind, path), n in self.engine.executor.runner.launches.items()}
-        r = dict(mode=mode, rate=rate, compiles=len(COMPILED) - compiles, launches=paths,
-                 **step_stats(self.timer.steps[steps:]),
+                 for (kind, path), n in self.engine.executor.runner.launches.items()} if here else None
+        r = dict(mode=mode, rate=rate, compiles=len(COMPILED) - compiles if here else None, launches=paths,
+                 **(step_stats(self.timer.steps[steps:]) if here else {}),
                  **summarize(traces, start, self.args.ttft_target_ms, self.args.itl_target_ms))
         self.results["runs"].append(r)
         print(f"[{mode} {rate:g} req/s] {r['output_tokens_per_s']:.0f} tok/s; TTFT p50/p99 "
@@ -499,9 +509,18 @@ class Bench:
             print(f"[decode {n} sequences] {w['step_ms']:.2f} ms/step", flush=True)
 
     def http_mode(self) -> None:
-        """The server over this engine (closing it at the end), a client process, warm-up, the greedy check, runs."""
+        """The server over an engine process built alike (or this engine), a client process, warm-up, the greedy
+        check, runs; this engine is closed by the end."""
         spawn = multiprocessing.get_context("spawn")   # a fresh interpreter: no copy of this one's threads or CUDA
-        with serving(self.engine, SERVED_NAME) as srv, ProcessPoolExecutor(1, mp_context=spawn) as client:
+        engine = self.engine
+        if self.args.http_engine == "process":
+            self.engine.close()   # its memory is the engine process's now
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            engine = EngineCore(self.model, self.kwargs)
+            engine.start()
+        with serving(engine, SERVED_NAME) as srv, ProcessPoolExecutor(1, mp_context=spawn) as client:
             def run(requests, logprobs=False):
                 start = time.perf_counter() + CLIENT_LEAD_S
                 return start, client.submit(http_client, srv.url, requests, start, logprobs).result()

@@ -117,8 +117,8 @@ class ChunkRegistry:
     """One engine's chunks: the handles it issued and the pinned ones (each with what its engine keeps for it,
     e.g. the pinned pages)."""
 
-    def __init__(self, kind: str):
-        self.name = f"{kind}#{next(_engine_numbers)}"
+    def __init__(self, kind: str, name: str | None = None):
+        self.name = name or f"{kind}#{next(_engine_numbers)}"   # given: a mirror of another process's registry
         self.num_issued = 0
         self.pinned: dict[int, object] = {}   # chunk id -> the engine's pin (its pages, or True)
 

@@ -73,6 +73,7 @@ SELECTION = [
     "tests/test_serve.py",
     "tests/test_serve_chunks.py",
     "tests/test_serve_streaming.py",
+    "tests/test_serve_process.py",
     "tests/test_tensor_parallel_lifecycle.py",
 ]
 SMOKE_MARKER = "smoke"   # conftest.py runs these first in any selection
@@ -460,6 +461,16 @@ MUTANTS = [
            "self.metrics.itl.observe(now - stream.last_token)",
            "self.metrics.itl.observe(now - stream.arrival)",
            "the inter-token latency histogram measures from the request's arrival, not from its previous token"),
+    Mutant("serve_core_drops_aborts", "chunkwise/serve/engine_core.py",
+           "else [r for r in m[1] if r in self.live])",
+           "else [r for r in m[1] if r not in self.live])",
+           "the engine process ignores the server's aborts of running requests: a client that disconnects leaves "
+           "its request holding pages in the engine process"),
+    Mutant("serve_core_chunk_mirror_stale", "chunkwise/serve/engine_core.py",
+           "                    chunks.num_issued = max(chunks.num_issued, value.chunk_id + 1)\n",
+           "",
+           "the server's mirror of the engine process's chunk registry does not learn of new chunks, so it refuses "
+           "them in composite prompts"),
     # ---- every dtype through every kernel ---------------------------------------------------------------------------
     Mutant("matmul_truncates_to_bf16", "chunkwise/kernels/matmul.py",
            "cast(acc, out_ptr.dtype.element_ty)",
@@ -534,12 +545,8 @@ MUTANTS = [
            "the server refuses logprobs (or top_logprobs) equal to --max-logprobs (OpenAI's 20) with a 400, "
            "though the message says it must be between 0 and 20"),
     Mutant("serve_failed_submission_leaves_its_earlier_samples_queued", "chunkwise/serve/engine_loop.py",
-           "            except Exception as exc:   # validation: nothing of this submission stays queued\n"
-           "                for rid in rids:\n"
-           "                    self.engine.abort(rid)\n"
-           "                sub.future.set_exception(exc)\n",
-           "            except Exception as exc:   # validation: nothing of this submission stays queued\n"
-           "                sub.future.set_exception(exc)\n",
+           "    except Exception:\n        for rid in rids:\n            engine.abort(rid)\n        raise\n",
+           "    except Exception:\n        raise\n",
            "when one sample of an HTTP request (a batched prompt, or n > 1) is refused by the engine, the client gets "
            "a 400 but the samples added before it stay queued in the engine: they run to max_tokens unseen, holding "
            "pages and counting as waiting/running"),

@@ -214,18 +214,39 @@ def served(monkeypatch):
 
     got = {}
 
-    class FakeEngine:
+    class FakeEngine:   # --no-engine-process: an Engine here, stepped by an EngineLoop
         def __init__(self, model, **kw):
             got["engine"] = (model, kw)
 
         def close(self):
             got["closed"] = True
 
-    def fake_make_server(engine, name, host, port, max_waiting, max_logprobs, log_level):
+    class FakeCore:     # the default: an engine built in a process of its own
+        def __init__(self, model, kw):
+            got["engine"] = (model, kw)
+
+        def start(self):
+            got["process"] = True
+
+        def close(self):
+            got["closed"] = True
+
+    class FakeLoop:
+        def __init__(self, engine):
+            self.engine = engine
+
+        def start(self):
+            got["thread"] = True
+
+        def close(self):
+            self.engine.close()
+
+    def fake_make_server(loop, name, host, port, max_waiting, max_logprobs, log_level):
         got["server"] = (name, host, port, max_waiting, max_logprobs, log_level)
-        return types.SimpleNamespace(run=lambda: None, started=True,
-                                     state=types.SimpleNamespace(loop=types.SimpleNamespace(stop=lambda: None)))
+        return types.SimpleNamespace(run=lambda: None, started=True)
     monkeypatch.setattr(chunkwise.engine, "Engine", FakeEngine)
+    monkeypatch.setattr(serve_cli, "EngineCore", FakeCore)
+    monkeypatch.setattr(serve_cli, "EngineLoop", FakeLoop)
     monkeypatch.setattr(serve_cli, "make_server", fake_make_server)
     monkeypatch.setattr(signal, "signal", lambda *a: None)   # not the test process's own handlers
     monkeypatch.setattr(serve_cli.logging, "basicConfig", lambda **kw: None)
@@ -239,7 +260,10 @@ def served(monkeypatch):
 
 def test_serve_passes_only_the_engine_options_given_and_the_server_options(served):
     got = served("--model", "tiny-qwen3")
-    assert got["engine"] == ("tiny-qwen3", {}) and got["closed"]
+    assert got["engine"] == ("tiny-qwen3", {}) and got["closed"] and got["process"] and "thread" not in got
+    got = served("--model", "tiny-qwen3", "--no-engine-process", "--page-size", "8")
+    assert got["engine"] == ("tiny-qwen3", {"page_size": 8}) and got["closed"] and got["thread"]
+    assert "process" not in got
     assert got["server"] == ("tiny-qwen3", "127.0.0.1", 8000, 1024, 20, "info")
     got = served("--model", "tiny-qwen3", "--served-model-name", "m", "--host", "0.0.0.0", "--port", "0",
                  "--max-waiting", "3", "--max-logprobs", "5", "--log-level", "warning")

@@ -76,6 +76,16 @@ class _Step(NamedTuple):
         return not self.launched.needs_logits
 
 
+def check_blend(config: EngineConfig, blend, index: int = 0) -> None:
+    """ValueError naming what keeps an engine of this config from serving reuse=`blend` (prompt `index`)."""
+    if not config.enable_prefix_caching:
+        raise ValueError(f"prompt {index}: reuse={blend!r} needs enable_prefix_caching=True: a chunk's own K/V are "
+                         f"kept in the prefix cache")
+    if config.tensor_parallel_size > 1:
+        raise ValueError(f"prompt {index}: reuse={blend!r} is not supported with tensor_parallel_size="
+                         f"{config.tensor_parallel_size} (blended prefills run on one device)")
+
+
 class Engine:
     """The shared interface plus the paging knobs of `EngineConfig` (page pool size, per-step token budget,
     running-sequence cap, prefix caching, CUDA graphs, split-KV threshold and split size)."""
@@ -136,13 +146,7 @@ class Engine:
     def check_blend(self, blend, index: int = 0) -> None:
         """ValueError naming what keeps this engine from serving reuse=`blend` (prompt `index` of a batch);
         reads the config only, so a server may ask before queueing anything."""
-        config = self.engine_config
-        if not config.enable_prefix_caching:
-            raise ValueError(f"prompt {index}: reuse={blend!r} needs enable_prefix_caching=True: a chunk's own K/V are "
-                             f"kept in the prefix cache")
-        if config.tensor_parallel_size > 1:
-            raise ValueError(f"prompt {index}: reuse={blend!r} is not supported with tensor_parallel_size="
-                             f"{config.tensor_parallel_size} (blended prefills run on one device)")
+        check_blend(self.engine_config, blend, index)
 
     def _submit(self, seq: Sequence, check_fits: bool = True) -> int:
         rid = self._num_ids

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from concurrent.futures import Future
 from json.encoder import encode_basestring_ascii as _json_str   # a str as json.dumps writes it (ensure_ascii)
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chunkwise.chunks import BLEND_POLICIES, Blend, Chunk
+from chunkwise.serve.engine_core import EngineCore
 from chunkwise.serve.engine_loop import EngineLoop, Submission
 from chunkwise.serve.protocol import (APIError, ChatCompletionRequest, ChunkRequest, CompletionRequest, bad_request,
                                       chunk_card, chunk_name, model_card, new_id, now, parse, reuse_card, usage)
@@ -41,13 +43,13 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions; a c
 
 @dataclass
 class ServerState:
-    loop: EngineLoop
+    loop: EngineLoop | EngineCore   # the engine on a thread of this process, or in a process of its own
     model_name: str
     max_waiting: int = 1024        # requests waiting for admission before new ones get 429
     max_logprobs: int = 20         # the most top logprobs a request may ask for (OpenAI allows 20)
     accepting: bool = True         # False once shutting down
     created: int = field(default_factory=now)
-    # chunks registered through /v1/chunks, by name; written on the engine thread only, as the engine registers
+    # chunks registered through /v1/chunks, by name; written as the engine's answers arrive
     chunks: dict[str, Chunk] = field(default_factory=dict)
     pinned: set[str] = field(default_factory=set)
 
@@ -172,15 +174,17 @@ async def _register_chunk(state: ServerState, request: Request) -> dict:
     _engine_check(engine.chunks.chunk_ids, req.prompt, engine.tokenizer, engine.model_config.vocab_size,
                   param="prompt")
 
-    def register() -> Chunk:   # on the engine thread; recorded there, so a client that left still has it listed
-        chunk = engine.register_chunk(req.prompt, pin=req.pin)
-        state.chunks[chunk_name(chunk)] = chunk
-        if req.pin:
-            state.pinned.add(chunk_name(chunk))
-        return chunk
+    def record(registered: Future) -> None:   # as it resolves, so a client that left still has it listed
+        if registered.exception() is None:
+            chunk = registered.result()
+            state.chunks[chunk_name(chunk)] = chunk
+            if req.pin:
+                state.pinned.add(chunk_name(chunk))
 
+    registered = state.loop.register_chunk(req.prompt, req.pin)
+    registered.add_done_callback(record)
     try:
-        chunk = await asyncio.wrap_future(state.loop.call(register))
+        chunk = await asyncio.wrap_future(registered)
     except (TypeError, ValueError) as e:   # the pin's: the cap, a queued request left without room
         raise bad_request(str(e), "pin" if "pin" in str(e) else "prompt") from None
     except RuntimeError as e:
@@ -196,12 +200,10 @@ async def _unpin_chunk(state: ServerState, name: str) -> dict:
     if name not in state.pinned:
         raise bad_request(f"the chunk `{name}` is not pinned (registered with pin=false, or unpinned already)")
 
-    def unpin() -> None:
-        state.engine.unpin(chunk)
-        state.pinned.discard(name)
-
+    unpinned = state.loop.unpin(chunk)
+    unpinned.add_done_callback(lambda f: f.exception() is None and state.pinned.discard(name))
     try:
-        await asyncio.wrap_future(state.loop.call(unpin))
+        await asyncio.wrap_future(unpinned)
     except ValueError as e:   # unpinned meanwhile by another request
         raise bad_request(str(e)) from None
     except RuntimeError as e:

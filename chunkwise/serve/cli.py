@@ -1,5 +1,7 @@
 """`python -m chunkwise serve --model M`: an OpenAI-compatible HTTP server over chunkwise.Engine.
 
+The engine runs in a process of its own (engine_core.py), so that serving tokens takes no host time from its
+steps; `--no-engine-process` runs it on a thread of the server's process instead (engine_loop.py).
 Ctrl-C or SIGTERM: the server stops accepting connections, aborts every request in flight (a stream ends with
 finish_reason "abort", then [DONE]), and exits with status 0 once their connections close.
 """
@@ -17,6 +19,7 @@ import uvicorn
 
 from chunkwise.engine_config import DTYPES
 from chunkwise.serve.app import ServerState, build_app
+from chunkwise.serve.engine_core import EngineCore, EngineStartError
 from chunkwise.serve.engine_loop import EngineLoop
 from chunkwise.serve.metrics import Metrics
 
@@ -38,6 +41,8 @@ def parser() -> argparse.ArgumentParser:
                    help="requests that may wait for admission; more get 429 (default 1024)")
     p.add_argument("--max-logprobs", type=int, default=20, help="the most top logprobs a request may ask (20)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="step the engine in a process of its own (default), or on a thread of the server's")
     add_engine_options(p)
     return p
 
@@ -81,29 +86,38 @@ class Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def make_server(engine, model_name: str, host: str = "127.0.0.1", port: int = 8000, max_waiting: int = 1024,
+def make_server(loop, model_name: str, host: str = "127.0.0.1", port: int = 8000, max_waiting: int = 1024,
                 max_logprobs: int = 20, log_level: str = "info") -> Server:
-    """A server over `engine` whose engine thread is running; `server.run()` (or a thread running it) serves."""
-    pool = engine.page_pool
-    loop = EngineLoop(engine)
-    loop.metrics = Metrics(model_name, loop.num_waiting, loop.num_running, loop.kv_pages_used, pool.num_pages)
+    """A server over a started `loop` (an EngineLoop over an Engine of this process, or an EngineCore: an engine in
+    a process of its own); `server.run()` (or a thread running it) serves."""
+    loop.metrics = Metrics(model_name, loop.num_waiting, loop.num_running, loop.kv_pages_used,
+                           loop.kv_pages_total())
     state = ServerState(loop, model_name, max_waiting=max_waiting, max_logprobs=max_logprobs)
-    loop.start()
     config = uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     return Server(config, state)
 
 
+def engine_loop(engine) -> EngineLoop:
+    """A started EngineLoop stepping `engine` (an Engine of this process) on its own thread."""
+    loop = EngineLoop(engine)
+    loop.start()
+    return loop
+
+
 @contextmanager
 def serving(engine, model_name: str, log_level: str = "warning"):
-    """A server over `engine` on a free 127.0.0.1 port, run by a thread: yields it (uvicorn's, with `.url` its
-    address) once it accepts connections; on exit stops it, its engine thread, and closes the engine."""
-    srv = make_server(engine, model_name, port=0, log_level=log_level)
+    """A server on a free 127.0.0.1 port, run by a thread, over `engine`: an Engine of this process (stepped on a
+    thread) or a started EngineCore. Yields the server (uvicorn's, with `.url` its address) once it accepts
+    connections; on exit stops it, then the engine (closing it)."""
+    loop = engine if isinstance(engine, EngineCore) else engine_loop(engine)
+    srv = make_server(loop, model_name, port=0, log_level=log_level)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
     while not srv.started:
         if not thread.is_alive() or time.monotonic() > deadline:
+            loop.close()
             raise RuntimeError("the server did not start")
         time.sleep(0.05)
     srv.url = f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
@@ -112,8 +126,7 @@ def serving(engine, model_name: str, log_level: str = "warning"):
     finally:
         srv.should_exit = True
         thread.join(30)
-        srv.state.loop.stop()
-        engine.close()
+        loop.close()
 
 
 def main(argv=None) -> int:
@@ -122,14 +135,19 @@ def main(argv=None) -> int:
     from chunkwise.engine import Engine
 
     try:
-        engine = Engine(args.model, **engine_kwargs(args))
+        if args.engine_process:
+            loop = EngineCore(args.model, engine_kwargs(args))
+            loop.start()
+        else:
+            loop = engine_loop(Engine(args.model, **engine_kwargs(args)))
     except KeyboardInterrupt:
         print("python -m chunkwise serve: interrupted", file=sys.stderr)
         return 130
     except Exception as e:   # one line: the engine's errors name what is wrong
-        print(f"python -m chunkwise serve: error: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
+        what = str(e) if isinstance(e, EngineStartError) else f"{type(e).__name__}: {' '.join(str(e).split())}"
+        print(f"python -m chunkwise serve: error: {what}", file=sys.stderr)
         return 1
-    server = make_server(engine, args.served_model_name or args.model, args.host, args.port, args.max_waiting,
+    server = make_server(loop, args.served_model_name or args.model, args.host, args.port, args.max_waiting,
                          args.max_logprobs, args.log_level)
     # uvicorn handles SIGINT/SIGTERM while it runs, and once shut down raises the signal again for the handler
     # that was there before it: ours, which lets the engine close and the process exit with status 0.
@@ -138,6 +156,5 @@ def main(argv=None) -> int:
     try:
         server.run()
     finally:
-        server.state.loop.stop()
-        engine.close()
+        loop.close()
     return 0 if server.started else 1

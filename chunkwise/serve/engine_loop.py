@@ -4,14 +4,15 @@ One thread owns the engine: it takes aborts, calls (`call`: chunk registration a
 from its inbox between steps (abort, the call, add_request), then steps while any request is unfinished, and
 sleeps when none is. The event loop never waits on
 the engine: a submission is put in the inbox and answered through a future (the request ids, or the engine's
-TypeError/ValueError naming the bad value); every StepOutput goes to its request's queue, tagged with the sample's
-index within its HTTP request (n > 1, batched prompts), a step's outputs together through one
+TypeError/ValueError naming the bad value); every StepOutput goes to its request's queue (`Streams`), tagged with
+the sample's index within its HTTP request (n > 1, batched prompts), a step's outputs together through one
 `loop.call_soon_threadsafe` (not one per token: each wakes the event loop with a socket write).
 Because the same thread adds a request and later routes its outputs, no output can arrive before its queue is
 known.
 
-The thread also feeds the metrics: time to first token and inter-token latency are stamped when a step hands
-the token over, as a client would see them, less the HTTP hop.
+`Streams` also feeds the metrics: time to first token and inter-token latency are stamped when the outputs are
+handed over, as a client would see them, less the HTTP hop. engine_core.py runs the same engine work in a process
+of its own and routes through the same `Streams`.
 """
 from __future__ import annotations
 
@@ -53,18 +54,104 @@ class Submission:
     num_prompt_tokens: int | None = None   # for the metrics; None: the prompts' lengths (plain prompts)
 
 
+def add_samples(engine, prompts: list, params: list[SamplingParams], reuse: list | None) -> list[int]:
+    """Adds one submission's samples to the engine, all or none (a refused sample aborts those already added);
+    returns their request ids, or raises the engine's TypeError/ValueError naming the bad value."""
+    rids: list[int] = []
+    try:
+        for ids, p, r in zip(prompts, params, reuse or ["exact"] * len(prompts)):
+            rids.append(engine.add_request(ids, p, reuse=r))
+    except Exception:
+        for rid in rids:
+            engine.abort(rid)
+        raise
+    return rids
+
+
+class Streams:
+    """Where each engine request's outputs go (its HTTP request's asyncio queue), with the token-timing metrics.
+    Used by one thread at a time: the one that adds requests and routes their outputs."""
+
+    def __init__(self):
+        self.metrics = None
+        self._by_id: dict[int, _Stream] = {}
+
+    def __contains__(self, request_id: int) -> bool:
+        return request_id in self._by_id
+
+    def ids(self) -> list[int]:
+        return list(self._by_id)
+
+    def add(self, sub: Submission, request_ids: list[int]) -> None:
+        for index, rid in enumerate(request_ids):
+            self._by_id[rid] = _Stream(sub.loop, sub.queue, index, sub.arrival)
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(sub.num_prompt_tokens if sub.num_prompt_tokens is not None
+                                           else sum(len(ids) for ids in sub.prompts))
+
+    def fail_all(self, error: str) -> None:
+        """Every request ends with an error (the engine cannot go on)."""
+        self.deliver([StepOutput(rid, [], None, "error", RequestOutput(rid, [], finish_reason="error", error=error))
+                      for rid in self.ids()])
+
+    def deliver(self, outs: list[StepOutput]) -> None:
+        """Hands a step's outputs to their requests' queues with one call per event loop (each call wakes the
+        loop through a socket write, and may lose the GIL to it): this thread only sorts them."""
+        now = time.monotonic()
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        tokens = 0
+        for out in outs:
+            stream = self._by_id.get(out.request_id)
+            if stream is None:
+                continue
+            if out.new_token_ids:
+                tokens += len(out.new_token_ids)
+                self._time_token(stream, now)
+            if out.finished:
+                del self._by_id[out.request_id]
+                if self.metrics is not None:
+                    self.metrics.e2e.observe(now - stream.arrival)
+                    self.metrics.finished(out.finish_reason)
+            batch = batches.get(stream.loop)
+            if batch is None:
+                batch = batches[stream.loop] = []
+            batch.append((stream.queue, stream.index, out))
+        if tokens and self.metrics is not None:
+            self.metrics.generation_tokens.inc(tokens)
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_route, batch)
+            except RuntimeError:   # the event loop has closed: nobody is listening any more
+                pass
+
+    def _time_token(self, stream: _Stream, now: float) -> None:
+        if self.metrics is not None:
+            if stream.last_token is None:
+                self.metrics.ttft.observe(now - stream.arrival)
+            else:
+                self.metrics.itl.observe(now - stream.last_token)
+        stream.last_token = now
+
+
 class EngineLoop:
-    def __init__(self, engine, metrics=None):
+    def __init__(self, engine):
         self.engine = engine
-        self.metrics = metrics
+        self.streams = Streams()
         self._submissions: queue.SimpleQueue[Submission] = queue.SimpleQueue()
         self._aborts: queue.SimpleQueue[int | None] = queue.SimpleQueue()   # None: abort every request
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[int, _Stream] = {}
         self._stopping = False
         self.failure: str | None = None    # set when the engine cannot go on; the server then answers 503
         self._thread = threading.Thread(target=self._run, name="chunkwise-engine", daemon=True)
+
+    @property
+    def metrics(self):
+        return self.streams.metrics
+
+    @metrics.setter
+    def metrics(self, metrics) -> None:
+        self.streams.metrics = metrics
 
     # ---- called from the event loop (or a signal handler) ----------------------------------------------
     def start(self) -> None:
@@ -90,6 +177,13 @@ class EngineLoop:
         self._wake.set()
         return future
 
+    def register_chunk(self, prompt, pin: bool) -> Future:
+        """`Engine.register_chunk(prompt, pin=pin)` between steps; the future holds the Chunk or the error."""
+        return self.call(lambda: self.engine.register_chunk(prompt, pin=pin))
+
+    def unpin(self, chunk) -> Future:
+        return self.call(lambda: self.engine.unpin(chunk))
+
     def abort(self, request_ids) -> None:
         """Abort these requests (those still running); returns at once."""
         for rid in request_ids:
@@ -108,6 +202,11 @@ class EngineLoop:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def close(self) -> None:
+        """stop(), then close the engine."""
+        self.stop()
+        self.engine.close()
+
     def num_waiting(self) -> int:
         """Requests not yet admitted: in the inbox or the scheduler's waiting queue. Read without the engine's
         lock (lengths only), so at worst one step stale."""
@@ -119,6 +218,9 @@ class EngineLoop:
     def kv_pages_used(self) -> int:
         pool = self.engine.page_pool
         return pool.num_pages - pool.num_free_pages
+
+    def kv_pages_total(self) -> int:
+        return self.engine.page_pool.num_pages
 
     # ---- the engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -143,7 +245,7 @@ class EngineLoop:
                 self._fail_all(f"{type(exc).__name__}: {exc}")
                 self._refuse_calls(self.failure)
                 return
-            self._deliver(outs)
+            self.streams.deliver(outs)
 
     def _take_calls(self) -> bool:
         """Runs the calls in the inbox; whether there were any."""
@@ -168,83 +270,35 @@ class EngineLoop:
         for sub in _drained(self._submissions):
             if not sub.future.set_running_or_notify_cancel():   # its client left while it queued
                 continue
-            rids = []
             try:
-                for ids, params, reuse in zip(sub.prompts, sub.params, sub.reuse or ["exact"] * len(sub.prompts)):
-                    rids.append(self.engine.add_request(ids, params, reuse=reuse))
+                rids = add_samples(self.engine, sub.prompts, sub.params, sub.reuse)
             except Exception as exc:   # validation: nothing of this submission stays queued
-                for rid in rids:
-                    self.engine.abort(rid)
                 sub.future.set_exception(exc)
                 continue
-            for index, rid in enumerate(rids):
-                self._streams[rid] = _Stream(sub.loop, sub.queue, index, sub.arrival)
-            if self.metrics is not None:
-                self.metrics.prompt_tokens.inc(sub.num_prompt_tokens if sub.num_prompt_tokens is not None
-                                               else sum(len(ids) for ids in sub.prompts))
+            self.streams.add(sub, rids)
             sub.future.set_result(rids)
 
     def _take_aborts(self) -> None:
         for rid in _drained(self._aborts):
             if rid is None:
                 self._abort_all()
-            elif rid in self._streams:
+            elif rid in self.streams:
                 self._abort(rid)
 
     def _abort_all(self) -> None:
-        for rid in list(self._streams):
+        for rid in self.streams.ids():
             self._abort(rid)
 
     def _abort(self, rid: int) -> None:
         out = self.engine.abort(rid)
         if out is not None:   # None: it finished meanwhile, and that output was delivered
-            self._deliver([StepOutput(rid, [], None, "abort", out)])
+            self.streams.deliver([StepOutput(rid, [], None, "abort", out)])
 
     def _fail_all(self, error: str) -> None:
         """The engine raised out of step(): every request ends with an error, and the server takes no more."""
         log.error("the engine failed: %s", error)
         self.failure = f"the engine failed: {error}"
-        for rid in list(self._streams):
-            out = RequestOutput(rid, [], finish_reason="error", error=error)
-            self._deliver([StepOutput(rid, [], None, "error", out)])
-
-    def _deliver(self, outs: list[StepOutput]) -> None:
-        """Hands a step's outputs to their requests' queues with one call per event loop (each call wakes the
-        loop through a socket write, and may lose the GIL to it): the engine thread only sorts them."""
-        now = time.monotonic()
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
-        tokens = 0
-        for out in outs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            if out.new_token_ids:
-                tokens += len(out.new_token_ids)
-                self._time_token(stream, now)
-            if out.finished:
-                del self._streams[out.request_id]
-                if self.metrics is not None:
-                    self.metrics.e2e.observe(now - stream.arrival)
-                    self.metrics.finished(out.finish_reason)
-            batch = batches.get(stream.loop)
-            if batch is None:
-                batch = batches[stream.loop] = []
-            batch.append((stream.queue, stream.index, out))
-        if tokens and self.metrics is not None:
-            self.metrics.generation_tokens.inc(tokens)
-        for loop, batch in batches.items():
-            try:
-                loop.call_soon_threadsafe(_route, batch)
-            except RuntimeError:   # the event loop has closed: nobody is listening any more
-                pass
-
-    def _time_token(self, stream: _Stream, now: float) -> None:
-        if self.metrics is not None:
-            if stream.last_token is None:
-                self.metrics.ttft.observe(now - stream.arrival)
-            else:
-                self.metrics.itl.observe(now - stream.last_token)
-        stream.last_token = now
+        self.streams.fail_all(error)
 
 
 def _route(batch: list[tuple[asyncio.Queue, int, StepOutput]]) -> None:

@@ -1,0 +1,379 @@
+"""The engine in a process of its own, so that the server's per-token Python does not take the GIL from its steps.
+
+In one process, the event loop's work for each streamed token (parsing, JSON, socket writes) competes with the
+engine thread's host work for the GIL: a served step took longer than the same step driven directly, and the
+clients' inter-token latency grew with it. Here the engine runs in a spawned process (vLLM's "engine core"):
+
+- `EngineCore` is the server's side. It has EngineLoop's interface (submit, register_chunk, unpin, abort,
+  abort_all, stop, num_waiting, num_running, kv_pages_used, failure, metrics), so the app cannot tell them apart,
+  and an `EngineView` as its `engine`: the config, the tokenizer, a mirror of the chunk registry, all the app reads
+  to validate a request before the engine sees it. A thread of its own receives the engine's messages and routes
+  outputs through `Streams`, which stamps the tokens' times there.
+- `_core_main` is the engine's side: a single-threaded loop that takes the server's messages between steps
+  (the same order as EngineLoop: aborts, calls, submissions), steps while any request is unfinished, and sends each
+  step's outputs as one message, with the queue depths and pages used.
+
+One duplex pipe carries both directions, in order: a submission's request ids reach the server before any of
+their outputs. The engine process ignores SIGINT (Ctrl-C reaches the whole process group; the server drives the
+shutdown) and exits when the pipe closes, so it never outlives the server.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import signal
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from chunkwise.chunks import ChunkRegistry
+from chunkwise.engine_config import EngineConfig
+from chunkwise.serve.engine_loop import Streams, Submission, add_samples
+from chunkwise.tokenizer import load_tokenizer
+
+log = logging.getLogger("chunkwise.serve")
+
+START_TIMEOUT_S = 600   # building the engine: loading (or converting) a checkpoint, capturing CUDA graphs
+_CALLS = ("register_chunk", "unpin")   # the engine methods the server may call by name
+
+
+class EngineStartError(RuntimeError):
+    """The engine process could not build its engine; the message is the engine's error, its type first."""
+
+
+@dataclass(frozen=True)
+class _Hello:
+    """What the engine process tells the server once its engine is built."""
+    config: EngineConfig
+    chunk_registry: str      # the engine's ChunkRegistry name, which its Chunk handles carry
+    num_pages: int
+
+
+@dataclass(frozen=True)
+class _Load:
+    """The engine's queue depths and pages used, as of its last message."""
+    waiting: int = 0
+    running: int = 0
+    pages_used: int = 0
+
+
+class EngineView:
+    """The server's view of an engine in another process: what validating a request reads (its config, tokenizer,
+    chunk registry and blend check), none of its state."""
+
+    def __init__(self, hello: _Hello):
+        from chunkwise.engine.llm_engine import check_blend
+
+        self.engine_config = config = hello.config
+        self.model_config, self.max_model_len = config.model_config, config.max_model_len
+        self.tokenizer = load_tokenizer(config.path)
+        # only this server registers chunks with its engine, so counting those it registered keeps the mirror exact
+        self.chunks = ChunkRegistry("", name=hello.chunk_registry)
+        self._check_blend = check_blend
+
+    def check_blend(self, blend, index: int = 0) -> None:
+        self._check_blend(self.engine_config, blend, index)
+
+
+class EngineCore:
+    """An engine built and stepped in a spawned process; the server's side of it (see the module docstring)."""
+
+    def __init__(self, model, engine_kwargs: dict | None = None):
+        self.streams = Streams()
+        self.failure: str | None = None
+        self.engine: EngineView | None = None           # once started
+        self._model, self._kwargs = str(model), dict(engine_kwargs or {})
+        self._conn = self._process = self._receiver = None
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._submissions: dict[int, Submission] = {}    # sent, not yet answered
+        self._calls: dict[int, tuple[str, Future]] = {}
+        self._load = _Load()
+        self._num_pages = 0
+        self._stopping = False
+
+    @property
+    def metrics(self):
+        return self.streams.metrics
+
+    @metrics.setter
+    def metrics(self, metrics) -> None:
+        self.streams.metrics = metrics
+
+    # ---- lifetime ------------------------------------------------------------------------------------
+    def start(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Spawns the engine process and waits until its engine is built; RuntimeError naming why it could not
+        be (the engine's own error, or the process's exit)."""
+        ctx = multiprocessing.get_context("spawn")   # CUDA cannot be used in a forked child
+        self._conn, child = ctx.Pipe()
+        # not a daemon: a tensor-parallel engine starts worker processes of its own
+        self._process = ctx.Process(target=_core_main, args=(child, self._model, self._kwargs),
+                                    name="chunkwise-engine-core")
+        self._process.start()
+        child.close()
+        try:
+            if not self._conn.poll(timeout):
+                raise RuntimeError(f"the engine process did not build its engine within {timeout:.0f} s")
+            kind, payload = self._conn.recv()
+        except (EOFError, OSError):
+            self._process.join(5)
+            raise RuntimeError(f"the engine process exited while building its engine (exit code "
+                               f"{self._process.exitcode})") from None
+        except BaseException:
+            self._kill()
+            raise
+        if kind == "error":
+            self._process.join(30)
+            raise EngineStartError(payload)
+        self.engine = EngineView(payload)
+        self._num_pages = payload.num_pages
+        self._receiver = threading.Thread(target=self._receive, name="chunkwise-engine-core-receiver", daemon=True)
+        self._receiver.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort everything in flight (each request gets its "abort" output), then end the engine process."""
+        if self._process is None:
+            return
+        self._stopping = True
+        self._send(("stop",))
+        if self._receiver is not None:
+            self._receiver.join(timeout)
+        self._process.join(timeout)
+        self._kill()
+
+    close = stop   # the engine is the process's: stopping it closes it
+
+    def _kill(self) -> None:
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5)
+        self._conn.close()
+
+    # ---- called from the event loop (or a signal handler) ----------------------------------------------
+    def submit(self, sub: Submission) -> Future:
+        """Send the samples to the engine; the future holds their request ids or the engine's error."""
+        if self._refused(sub.future) or not sub.future.set_running_or_notify_cancel():
+            return sub.future
+        sid = next(self._ids)
+        self._submissions[sid] = sub
+        if not self._send(("add", sid, sub.prompts, sub.params, sub.reuse)):
+            self._submissions.pop(sid, None)
+            sub.future.set_exception(RuntimeError(self.failure))
+        return sub.future
+
+    def register_chunk(self, prompt, pin: bool) -> Future:
+        """`Engine.register_chunk(prompt, pin=pin)` between steps; the future holds the Chunk or the error."""
+        return self._call("register_chunk", prompt, pin)
+
+    def unpin(self, chunk) -> Future:
+        return self._call("unpin", chunk)
+
+    def abort(self, request_ids) -> None:
+        """Abort these requests (those still running); returns at once."""
+        request_ids = list(request_ids)
+        if request_ids:
+            self._send(("abort", request_ids))
+
+    def abort_all(self) -> None:
+        self._send(("abort", None))
+
+    def num_waiting(self) -> int:
+        """Requests not yet admitted: sent but not yet answered, or in the scheduler's waiting queue (as of the
+        engine's last message, so at worst a step stale)."""
+        return len(self._submissions) + self._load.waiting
+
+    def num_running(self) -> int:
+        return self._load.running
+
+    def kv_pages_used(self) -> int:
+        return self._load.pages_used
+
+    def kv_pages_total(self) -> int:
+        return self._num_pages
+
+    def _call(self, name: str, *args) -> Future:
+        future: Future = Future()
+        if self._refused(future):
+            return future
+        future.set_running_or_notify_cancel()
+        cid = next(self._ids)
+        self._calls[cid] = (name, future)
+        if not self._send(("call", cid, name, args)):
+            self._calls.pop(cid, None)
+            future.set_exception(RuntimeError(self.failure))
+        return future
+
+    def _refused(self, future: Future) -> bool:
+        if self._stopping or self.failure is not None:
+            future.set_exception(RuntimeError(self.failure or "the server is shutting down"))
+            return True
+        return False
+
+    def _send(self, message: tuple) -> bool:
+        """Whether the message went; a closed pipe (the engine process gone) is the receiver's to report."""
+        with self._send_lock:
+            try:
+                self._conn.send(message)
+                return True
+            except (OSError, ValueError):
+                if self.failure is None:
+                    self.failure = "the engine process is gone"
+                return False
+
+    # ---- the receiver thread ---------------------------------------------------------------------------
+    def _receive(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                if not self._stopping:
+                    self._process.join(5)
+                    self._fail(f"the engine process exited unexpectedly (exit code {self._process.exitcode})")
+                return
+            kind = message[0]
+            if kind == "outputs":
+                _, outs, self._load = message
+                self.streams.deliver(outs)
+            elif kind == "added":
+                _, sid, rids, self._load = message
+                sub = self._submissions.pop(sid)
+                self.streams.add(sub, rids)   # before the future: its outputs may come next
+                sub.future.set_result(rids)
+            elif kind == "refused":
+                _, sid, exc = message
+                self._submissions.pop(sid).future.set_exception(exc)
+            elif kind == "result":
+                _, cid, ok, value = message
+                name, future = self._calls.pop(cid)
+                if not ok:
+                    future.set_exception(value)
+                    continue
+                if name == "register_chunk":
+                    chunks = self.engine.chunks
+                    chunks.num_issued = max(chunks.num_issued, value.chunk_id + 1)
+                future.set_result(value)
+            elif kind == "failed":
+                self._fail(f"the engine failed: {message[1]}")
+                return
+            elif kind == "stopped":
+                self._refuse_pending(RuntimeError("the server is shutting down"))
+                return
+
+    def _fail(self, failure: str) -> None:
+        log.error("%s", failure)
+        self.failure = failure
+        self.streams.fail_all(failure)
+        self._refuse_pending(RuntimeError(failure))
+
+    def _refuse_pending(self, error: Exception) -> None:
+        """The submissions and calls the engine will never answer."""
+        for sid in list(self._submissions):
+            self._submissions.pop(sid).future.set_exception(error)
+        for cid in list(self._calls):
+            self._calls.pop(cid)[1].set_exception(error)
+
+
+# ---- the engine process ------------------------------------------------------------------------------
+def _core_main(conn, model: str, engine_kwargs: dict) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from chunkwise.engine import Engine
+
+    try:
+        engine = Engine(model, **engine_kwargs)
+    except Exception as e:   # one line: the engine's errors name what is wrong
+        conn.send(("error", f"{type(e).__name__}: {' '.join(str(e).split())}"))
+        return
+    try:
+        conn.send(("ready", _Hello(engine.engine_config, engine.chunks.name, engine.page_pool.num_pages)))
+        _CoreLoop(engine, conn).run()
+    finally:
+        engine.close()
+        conn.close()
+
+
+class _CoreLoop:
+    def __init__(self, engine, conn):
+        self.engine, self.conn = engine, conn
+        self.live: set[int] = set()    # request ids added and not yet finished
+
+    def run(self) -> None:
+        engine = self.engine
+        while True:
+            try:
+                if not engine.has_unfinished():
+                    self.conn.poll(None)
+                messages = []
+                while self.conn.poll():
+                    messages.append(self.conn.recv())
+            except (EOFError, OSError):   # the server is gone
+                return
+            # EngineLoop's order: aborts, then calls, then submissions
+            messages.sort(key=lambda m: {"stop": 0, "abort": 1, "call": 2}.get(m[0], 3))
+            if messages and messages[0][0] == "stop":
+                self._abort(list(self.live))
+                self.conn.send(("stopped",))
+                return
+            called = False
+            for m in messages:
+                if m[0] == "abort":
+                    self._abort(list(self.live) if m[1] is None else [r for r in m[1] if r in self.live])
+                elif m[0] == "call":
+                    called = True
+                    self._call(*m[1:])
+                else:
+                    self._add(*m[1:])
+            # a call may step the engine itself (register_chunk computes the chunk): streamed requests' outputs
+            # made then wait in the engine's backlog for the next step(), taken even if nothing is unfinished
+            if not engine.has_unfinished() and not called:
+                continue
+            try:
+                outs = engine.step()
+            except Exception as exc:   # not contained by the engine (it contains a failing step's requests)
+                self.conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+                return
+            self._send_outputs(outs)
+
+    def _load(self) -> _Load:
+        sched, pool = self.engine.scheduler, self.engine.page_pool
+        return _Load(len(sched.waiting), len(sched.running), pool.num_pages - pool.num_free_pages)
+
+    def _send_outputs(self, outs) -> None:
+        for out in outs:
+            if out.finished:
+                self.live.discard(out.request_id)
+        self.conn.send(("outputs", outs, self._load()))
+
+    def _abort(self, rids: list[int]) -> None:
+        from chunkwise.engine.llm_engine import StepOutput
+
+        outs = []
+        for rid in rids:
+            out = self.engine.abort(rid)
+            if out is not None:   # None: it finished meanwhile, and that output was sent
+                outs.append(StepOutput(rid, [], None, "abort", out))
+        if outs:
+            self._send_outputs(outs)
+
+    def _call(self, cid: int, name: str, args: tuple) -> None:
+        assert name in _CALLS, name
+        try:
+            self.conn.send(("result", cid, True, getattr(self.engine, name)(*args)))
+        except Exception as exc:
+            self.conn.send(("result", cid, False, _portable(exc)))
+
+    def _add(self, sid: int, prompts: list, params: list, reuse: list | None) -> None:
+        try:
+            rids = add_samples(self.engine, prompts, params, reuse)
+        except Exception as exc:   # validation: nothing of this submission stays queued
+            self.conn.send(("refused", sid, _portable(exc)))
+            return
+        self.live.update(rids)
+        self.conn.send(("added", sid, rids, self._load()))
+
+
+def _portable(exc: Exception) -> Exception:
+    """The error as the server's side handles it (TypeError and ValueError: a bad request), with only its message,
+    so that it pickles whatever it held."""
+    kind = type(exc) if type(exc) in (TypeError, ValueError) else RuntimeError
+    return kind(str(exc) if kind is not RuntimeError else f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,172 @@
+"""The server with its engine in a process of its own (engine_core.py, `chunkwise serve`'s default), over real HTTP
+on 127.0.0.1: concurrent clients, streamed or not, sampled or greedy, with logprobs, get the outputs of an engine
+of this process built alike; chunks register, compose and unpin across the process boundary; the engine's own
+validation errors come back as 400s; a client that disconnects mid-stream leaves no page behind in the engine
+process; an engine process that dies fails its requests (500), after which the server answers 503; an engine that
+cannot be built is reported with its own error; and a stopped server's engine process exits with status 0.
+
+test_serve.py covers the app itself (every field, error and metric) over an engine on a thread; the app reads the
+same interface from both.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from chunkwise.engine import Engine
+from chunkwise.sampling import SamplingParams
+from chunkwise.serve.cli import serving
+from chunkwise.serve.engine_core import EngineCore, EngineStartError
+
+MODEL = "tiny-bytes"
+KW = {"dtype": "float32", "device": "cpu", "page_size": 4, "num_pages": 64, "max_model_len": 128}
+LONG = 120   # max_tokens of a request meant to be cut short (max_model_len 128)
+
+
+@pytest.fixture(scope="module")
+def core(tiny_ckpt_with_byte_tokenizer):
+    core = EngineCore(tiny_ckpt_with_byte_tokenizer, KW)
+    core.start()
+    return core
+
+
+@pytest.fixture(scope="module")
+def server(core):
+    with serving(core, MODEL) as srv:
+        yield srv
+    assert core._process.exitcode == 0   # stopped, not killed
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def local(tiny_ckpt_with_byte_tokenizer):
+    """An engine of this process built as the server's: the expected outputs."""
+    with Engine(tiny_ckpt_with_byte_tokenizer, **KW) as engine:
+        yield engine
+
+
+def gauges(server) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics").text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if "le" not in s.labels
+            and "finished_reason" not in s.labels}
+
+
+def wait_idle(server, seconds: float = 20.0) -> None:
+    """Until the engine process reports no request running or waiting and no page held."""
+    deadline = time.monotonic() + seconds
+    while True:
+        g = gauges(server)
+        if (g["chunkwise_kv_pages_used"], g["chunkwise_num_requests_running"], g["chunkwise_num_requests_waiting"]) \
+                == (0, 0, 0):
+            return
+        assert time.monotonic() < deadline, g
+        time.sleep(0.05)
+
+
+def test_concurrent_clients_get_the_outputs_of_an_engine_of_this_process(server, client, local):
+    prompts = [[5 + i, 6, 7 + 2 * i, 40 + i] for i in range(8)]
+    params = [dict(temperature=0, max_tokens=6 + i % 3) if i % 2 else
+              dict(temperature=0.9, top_p=0.8, seed=100 + i, n=2, max_tokens=5) for i in range(8)]
+
+    def ask(i):
+        p = dict(params[i])
+        if i % 4 == 3:   # streamed, with logprobs
+            stream = client.completions.create(model=MODEL, prompt=prompts[i], stream=True, logprobs=2, **p)
+            text, logprobs = "", []
+            for event in stream:
+                c = event.choices[0]
+                text += c.text
+                if c.logprobs is not None:
+                    logprobs += c.logprobs.token_logprobs
+            return [(text, logprobs)]
+        r = client.completions.create(model=MODEL, prompt=prompts[i], **p)
+        return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(ask, range(8)))
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        n = p.pop("n", 1)
+        if i % 4 == 3:
+            out = local.generate([prompt], SamplingParams(**p, logprobs=2))[0]
+            assert got[i][0][0] == out.text
+            assert got[i][0][1] == pytest.approx([lp[t] for t, lp in zip(out.token_ids, out.logprobs)], abs=1e-5)
+        else:
+            seeds = [p.get("seed", 0) + j for j in range(n)] if "seed" in p else [None]
+            want = [local.generate([prompt], SamplingParams(**{**p, **({"seed": s} if s is not None else {})}))[0].text
+                    for s in seeds]
+            assert got[i] == want, i
+    wait_idle(server)
+    g = gauges(server)
+    assert g["chunkwise_generation_tokens_total"] >= sum(p["max_tokens"] for p in params)
+    assert g["chunkwise_kv_pages_total"] == 64
+
+
+def test_chunks_register_compose_and_unpin_across_the_process(server, client, local):
+    sys_ids, doc = [7, 8, 9, 10, 11, 12, 13, 14], "the document"
+    cards = [httpx.post(server.url + "/v1/chunks", json={"model": MODEL, "prompt": p, "pin": pin}).json()
+             for p, pin in ((sys_ids, True), (doc, False))]
+    assert [c["pinned"] for c in cards] == [True, False]
+    r = client.completions.create(model=MODEL, prompt="", max_tokens=6, temperature=0, extra_body={"chunkwise": {
+        "prompt": [{"chunk": cards[0]["id"]}, {"chunk": cards[1]["id"]}, [20, 21]]}})
+    ids = sys_ids + local.tokenizer.encode(doc, add_special_tokens=False) + [20, 21]
+    assert r.choices[0].text == local.generate([ids], SamplingParams(temperature=0, max_tokens=6))[0].text
+    assert r.usage.prompt_tokens == len(ids)
+    assert httpx.delete(f"{server.url}/v1/chunks/{cards[0]['id']}").status_code == 200
+    again = httpx.delete(f"{server.url}/v1/chunks/{cards[0]['id']}")
+    assert again.status_code == 400 and "not pinned" in again.json()["error"]["message"]
+    assert httpx.delete(f"{server.url}/v1/chunks/chunk-99").status_code == 404
+
+
+def test_the_engines_own_validation_errors_come_back_as_400s(server, client):
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.completions.create(model=MODEL, prompt=list(range(5, 140)), max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="200000"):
+        client.completions.create(model=MODEL, prompt=[5, 200000], max_tokens=4)
+    assert client.completions.create(model=MODEL, prompt=[5, 6], max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_a_disconnect_mid_stream_frees_its_pages_in_the_engine_process(server):
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": [5, 6, 7], "max_tokens": LONG, "ignore_eos": True, "stream": True}) as r:
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith("data: ")
+            if events == 3:
+                break
+    assert events == 3
+    wait_idle(server)
+
+
+def test_an_engine_process_that_dies_fails_its_requests_then_the_server_answers_503(tiny_ckpt_with_byte_tokenizer):
+    core = EngineCore(tiny_ckpt_with_byte_tokenizer, KW)
+    core.start()
+    with serving(core, MODEL) as srv:
+        events = []
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": [5, 6, 7], "max_tokens": LONG, "ignore_eos": True, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 2:
+                        core._process.kill()
+        assert events[-1] == "[DONE]" and "exited unexpectedly" in events[-2], events[-2:]
+        health = httpx.get(srv.url + "/health")
+        assert health.status_code == 503 and "exited unexpectedly" in health.json()["error"]["message"]
+        r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": [5], "max_tokens": 2})
+        assert r.status_code == 503
+
+
+def test_an_engine_that_cannot_be_built_is_reported_with_its_own_error(tmp_path):
+    core = EngineCore(tmp_path, {"device": "cpu"})
+    with pytest.raises(EngineStartError, match=f"^ValueError: checkpoint directory {tmp_path} has no config.json"):
+        core.start()
+    assert core._process.exitcode == 0
