@@ -19,10 +19,12 @@ Modes:
           token is stamped when step() returns it.
   http    the server of `python -m chunkwise serve` in this process (chunkwise.serve.cli.serving: uvicorn on a free
           127.0.0.1 port) over an engine built alike (the same options) in a process of its own, as the command
-          runs it (--http-engine thread: this process's engine, stepped on a thread); a client in a child process
-          (httpx, asyncio: one streamed /v1/completions request per arrival) stamps each token's event when it
-          arrives. The client has a process of its own so that parsing its streams takes no GIL time from the
-          server. An engine process's steps are not seen from here: its runs report no steps, paths or compiles.
+          runs it (--http-engine thread: this process's engine, stepped on a thread); clients in child processes
+          (httpx, asyncio: one streamed /v1/completions request per arrival; --client-processes of them, dealt the
+          requests in turn) stamp each token's event when it arrives. Clients have processes of their own so that
+          parsing their streams takes no GIL time from the server, and several so that one client's parsing of
+          every other stream does not delay its timestamps. An engine process's steps are not seen from here: its
+          runs report no steps, paths or compiles.
 Latencies count from the scheduled arrival: TTFT to the first token, ITL the gaps between consecutive tokens of one
 request, E2E to its last token. Per mode and rate: their p50/p90/p99 (and ITL's max), output tokens/s (tokens over
 the run's duration: first arrival to last token), and goodput: the share (and rate) of requests whose TTFT is at most
@@ -65,7 +67,7 @@ from chunkwise.serve.engine_core import EngineCore
 
 MODES = ("engine", "http")
 SERVED_NAME = "bench"
-CLIENT_LEAD_S = 0.5    # the HTTP run's start, this long after it is handed to the client process
+CLIENT_LEAD_S = 0.5    # the HTTP run's start, this long after it is handed to the client processes
 WINDOW_LEAD = 4        # decode steps after the prefill before a standalone window is timed
 QUANTILES = (50, 90, 99)
 
@@ -388,6 +390,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--http-engine", choices=["process", "thread"], default="process",
                    help="http mode's engine: in a process of its own (default, as `chunkwise serve`), or this "
                         "process's engine on a thread (`chunkwise serve --no-engine-process`)")
+    p.add_argument("--client-processes", type=int, default=4,
+                   help="http mode's client processes, the requests dealt among them in turn (default 4: one "
+                        "process parsing every stream delays its own timestamps at high rates)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ttft-target-ms", type=float, default=200.0, help="goodput's TTFT target (default 200)")
     p.add_argument("--itl-target-ms", type=float, default=50.0,
@@ -413,7 +418,7 @@ def parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     p = parser()
     args = p.parse_args(argv)
-    for name in ("num_requests", "decode_steps"):
+    for name in ("num_requests", "decode_steps", "client_processes"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("warmup_requests", "check_requests"):
@@ -509,7 +514,7 @@ class Bench:
             print(f"[decode {n} sequences] {w['step_ms']:.2f} ms/step", flush=True)
 
     def http_mode(self) -> None:
-        """The server over an engine process built alike (or this engine), a client process, warm-up, the greedy
+        """The server over an engine process built alike (or this engine), client processes, warm-up, the greedy
         check, runs; this engine is closed by the end."""
         spawn = multiprocessing.get_context("spawn")   # a fresh interpreter: no copy of this one's threads or CUDA
         engine = self.engine
@@ -520,10 +525,15 @@ class Bench:
                 torch.cuda.empty_cache()
             engine = EngineCore(self.model, self.kwargs)
             engine.start()
-        with serving(engine, SERVED_NAME) as srv, ProcessPoolExecutor(1, mp_context=spawn) as client:
-            def run(requests, logprobs=False):
+        k = self.args.client_processes
+        with serving(engine, SERVED_NAME) as srv, ProcessPoolExecutor(k, mp_context=spawn) as clients:
+            def run(requests, logprobs=False):   # request i goes to client i % k
                 start = time.perf_counter() + CLIENT_LEAD_S
-                return start, client.submit(http_client, srv.url, requests, start, logprobs).result()
+                parts = [clients.submit(http_client, srv.url, requests[i::k], start, logprobs) for i in range(k)]
+                traces = [None] * len(requests)
+                for i, part in enumerate(parts):
+                    traces[i::k] = part.result()
+                return start, traces
             warm = self.warmup_requests()
             if warm:
                 check_traces(run(warm)[1], warm, "http warm-up")

@@ -1,7 +1,8 @@
 """benchmarks/bench_serving.py, run end to end on CPU (a tiny Qwen3, 6 requests at one rate, both modes, the server
-in this process over an engine process, and its client in a child): every request gets exactly its output length in both modes, the
-reported numbers agree with each other and with each request's own, the greedy tokens over HTTP are the engine run's,
-and the JSON, table and plot are written. Its summary's arithmetic and its workload are checked on their own too."""
+in this process over an engine process, its clients in two children): every request gets exactly its output length
+in both modes, the reported numbers agree with each other and with each request's own, the greedy tokens over HTTP
+are the engine run's, and the JSON, table and plot are written. Its summary's arithmetic and its workload are
+checked on their own too."""
 import importlib.util
 import json
 
@@ -18,7 +19,7 @@ NUM, INPUT, OUTPUT, SEED = 6, (8, 24), (3, 4), 0
 # A high rate: every request has arrived by the second step, so each run ends in decode-only steps.
 ARGS = ["--device", "cpu", "--dtype", "float32", "--num-requests", str(NUM), "--input-len-range", "%d,%d" % INPUT,
         "--output-len-range", "%d,%d" % OUTPUT, "--rates", "200", "--seed", str(SEED), "--warmup-requests", "1",
-        "--check-requests", str(NUM), "--decode-batches", "2", "--decode-steps", "2"]
+        "--check-requests", str(NUM), "--decode-batches", "2", "--decode-steps", "2", "--client-processes", "2"]
 
 
 @pytest.fixture(scope="module")
