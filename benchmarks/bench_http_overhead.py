@@ -8,7 +8,7 @@ The engine is a stand-in (`FakeEngine`): each step sleeps --step-ms without the 
 hands every running request one token (with its logprobs if asked), so whatever the server spends per token is the
 server's own: chunkwise.serve's engine thread (routing each output to its request) and its event loop (the
 request's queue, the chunk's JSON, the SSE framing, starlette and uvicorn's send). The server runs in this process
-as `python -m chunkwise serve` runs it (uvicorn, the engine on its own thread); the clients (httpx, asyncio, one
+as `python -m chunkwise serve --no-engine-process` runs it (uvicorn, the engine on its own thread); the clients (httpx, asyncio, one
 streamed /v1/completions request at a time each, ignore_eos) run in a child process so parsing their streams takes
 no GIL time from the server.
 Reported per N, over the timed rounds (after a warm-up round): server CPU µs per token (this process's CPU time,
@@ -35,7 +35,7 @@ import numpy as np
 
 from chunkwise.engine.llm_engine import StepOutput
 from chunkwise.sampling import RequestOutput
-from chunkwise.serve.cli import make_server
+from chunkwise.serve.cli import engine_loop, make_server
 
 MODEL = "fake"
 VOCAB = 1000
@@ -123,7 +123,7 @@ async def _clients(url: str, num: int, requests: int, max_tokens: int, logprobs:
 # ---- the server: this process ---------------------------------------------------------------------------------------
 def measure(args, num: int, profile: str | None) -> dict:
     engine = FakeEngine(args.step_ms / 1e3)
-    srv = make_server(engine, MODEL, port=0, log_level="warning")
+    srv = make_server(engine_loop(engine), MODEL, port=0, log_level="warning")
     loop = srv.state.loop
     # cProfile follows the thread that enables it: the event loop's is ours to start, the engine thread runs
     # what `loop.call` gives it
