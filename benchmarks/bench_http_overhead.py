@@ -36,6 +36,7 @@ import numpy as np
 from chunkwise.engine.llm_engine import StepOutput
 from chunkwise.sampling import RequestOutput
 from chunkwise.serve.cli import engine_loop, make_server
+from chunkwise.serve.engine_core import EngineCore
 
 MODEL = "fake"
 VOCAB = 1000
@@ -48,12 +49,14 @@ class FakeEngine:
     sleeps `step_s`. Its own CPU time in step() is summed in `busy_s`, and each step's start is recorded in
     `starts`."""
 
-    def __init__(self, step_s: float):
+    def __init__(self, model: str = MODEL, step_s: float = 0.002):
         self.step_s = step_s
         self.tokenizer = None
         self.max_model_len = 1 << 20
         self.model_config = SimpleNamespace(vocab_size=VOCAB)
-        self.engine_config = SimpleNamespace(path=MODEL)
+        self.engine_config = SimpleNamespace(path=model, model_config=self.model_config,
+                                             max_model_len=self.max_model_len)
+        self.chunks = SimpleNamespace(name="fake#0")
         self.scheduler = SimpleNamespace(waiting=[], running={})
         self.page_pool = SimpleNamespace(num_pages=1, num_free_pages=1)
         self.busy_s = 0.0
@@ -97,37 +100,52 @@ class FakeEngine:
 
 
 # ---- the clients: a child process -----------------------------------------------------------------------------------
-def clients(url: str, num: int, requests: int, max_tokens: int, logprobs: int | None) -> int:
-    """`num` clients, each streaming `requests` completions one after another; the data events received."""
+def clients(url: str, num: int, requests: int, max_tokens: int, logprobs: int | None) -> tuple[int, list[float]]:
+    """`num` clients, each streaming `requests` completions one after another: the data events received, and the
+    gaps (s) between consecutive events of one stream."""
     return asyncio.run(_clients(url, num, requests, max_tokens, logprobs))
 
 
-async def _clients(url: str, num: int, requests: int, max_tokens: int, logprobs: int | None) -> int:
+async def _clients(url: str, num: int, requests: int, max_tokens: int, logprobs: int | None):
     import httpx
 
     body = dict(model=MODEL, prompt=[1, 2, 3], max_tokens=max_tokens, ignore_eos=True, stream=True,
                 **({} if logprobs is None else {"logprobs": logprobs}))
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    gaps: list[float] = []
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=None) as client:
         async def one() -> int:
             events = 0
             for _ in range(requests):
+                last = None
                 async with client.stream("POST", "/v1/completions", json=body) as resp:
                     assert resp.status_code == 200, resp.status_code
                     async for line in resp.aiter_lines():
-                        events += line.startswith("data: {")
+                        if line.startswith("data: {"):
+                            now = time.perf_counter()
+                            events += 1
+                            if last is not None:
+                                gaps.append(now - last)
+                            last = now
             return events
-        return sum(await asyncio.gather(*(one() for _ in range(num))))
+        return sum(await asyncio.gather(*(one() for _ in range(num)))), gaps
 
 
 # ---- the server: this process ---------------------------------------------------------------------------------------
 def measure(args, num: int, profile: str | None) -> dict:
-    engine = FakeEngine(args.step_ms / 1e3)
-    srv = make_server(engine_loop(engine), MODEL, port=0, log_level="warning")
-    loop = srv.state.loop
+    in_process = args.engine == "thread"
+    if in_process:
+        engine = FakeEngine(step_s=args.step_ms / 1e3)
+        loop = engine_loop(engine)
+    else:   # the stand-in engine in a process of its own, as `chunkwise serve` runs the real one
+        engine = None
+        loop = EngineCore(MODEL, {"step_s": args.step_ms / 1e3}, engine_class=FakeEngine)
+        loop.start()
+    srv = make_server(loop, MODEL, port=0, log_level="warning")
     # cProfile follows the thread that enables it: the event loop's is ours to start, the engine thread runs
     # what `loop.call` gives it
-    on_loop, on_engine = (cProfile.Profile(), cProfile.Profile()) if profile else (None, None)
+    on_loop = cProfile.Profile() if profile else None
+    on_engine = cProfile.Profile() if profile and in_process else None
     thread = threading.Thread(target=srv.run if on_loop is None else lambda: on_loop.runcall(srv.run), daemon=True)
     thread.start()
     if on_engine is not None:
@@ -139,28 +157,38 @@ def measure(args, num: int, profile: str | None) -> dict:
     try:
         with ProcessPoolExecutor(1, mp_context=spawn) as pool:
             pool.submit(clients, url, num, 1, args.max_tokens, args.logprobs).result()   # warm-up
-            engine.starts.clear()
-            busy, cpu, wall = engine.busy_s, time.process_time(), time.perf_counter()
-            events = pool.submit(clients, url, num, args.requests, args.max_tokens, args.logprobs).result()
-            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu - (engine.busy_s - busy)
-            starts = np.array(engine.starts)
+            busy = engine.busy_s if in_process else 0.0
+            if in_process:
+                engine.starts.clear()
+            cpu, wall = time.process_time(), time.perf_counter()
+            events, gaps = pool.submit(clients, url, num, args.requests, args.max_tokens, args.logprobs).result()
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            if in_process:
+                cpu -= engine.busy_s - busy
+                starts = np.array(engine.starts)
     finally:
         srv.should_exit = True
         thread.join(30)
         if on_engine is not None:
             loop.call(on_engine.disable).result()
-        loop.stop()
+        loop.close()
     tokens = num * args.requests * args.max_tokens
     if events != tokens:
         raise RuntimeError(f"{num} clients: {events} events for {tokens} tokens")
     if profile:
         on_loop.dump_stats(profile + ".loop")
-        on_engine.dump_stats(profile + ".engine")
-    late = np.diff(starts) * 1e3 - args.step_ms   # between two steps, beyond the step's own sleep
-    # steps with only a few streams running (their ramp up and down) are counted too: all are the server's
-    return dict(clients=num, tokens=tokens, cpu_us_per_token=cpu / tokens * 1e6, tokens_per_s=tokens / wall,
-                late_ms_p50=float(np.percentile(late, 50)), late_ms_p99=float(np.percentile(late, 99)),
-                steps=len(starts))
+        if on_engine is not None:
+            on_engine.dump_stats(profile + ".engine")
+    itl = np.array(gaps) * 1e3
+    row = dict(engine=args.engine, clients=num, tokens=tokens, cpu_us_per_token=cpu / tokens * 1e6,
+               tokens_per_s=tokens / wall, itl_ms_p50=float(np.percentile(itl, 50)),
+               itl_ms_p99=float(np.percentile(itl, 99)), late_ms_p50=None, late_ms_p99=None, steps=None)
+    if in_process:
+        late = np.diff(starts) * 1e3 - args.step_ms   # between two steps, beyond the step's own sleep
+        # steps with only a few streams running (their ramp up and down) are counted too: all are the server's
+        row.update(late_ms_p50=float(np.percentile(late, 50)), late_ms_p99=float(np.percentile(late, 99)),
+                   steps=len(starts))
+    return row
 
 
 def main(argv=None) -> list[dict]:
@@ -170,6 +198,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per request (256)")
     p.add_argument("--step-ms", type=float, default=2.0, help="each fake step's sleep, without the GIL (2.0)")
     p.add_argument("--logprobs", type=int, default=None, help="ask logprobs=K (default: none, as bench_serving)")
+    p.add_argument("--engine", choices=["process", "thread", "both"], default="both",
+                   help="the stand-in engine in a process of its own (as `chunkwise serve`), on the server's thread "
+                        "(--no-engine-process), or each in turn (default)")
     p.add_argument("--profile", help="write cProfile statistics here (.loop, .engine) for the first N")
     args = p.parse_args(argv)
     bad = [n for n in args.clients if n < 1]
@@ -179,13 +210,17 @@ def main(argv=None) -> list[dict]:
     rows = []
     print(f"step {args.step_ms:g} ms, {args.max_tokens} tokens x {args.requests} requests per client, logprobs "
           f"{args.logprobs}")
-    print("| clients | server CPU µs/token | tokens/s | step lateness p50 / p99 ms | steps |")
-    print("|--:|--:|--:|--:|--:|")
-    for i, num in enumerate(args.clients):
-        r = measure(args, num, args.profile if i == 0 else None)
-        rows.append(r)
-        print(f"| {num} | {r['cpu_us_per_token']:.1f} | {r['tokens_per_s']:.0f} | {r['late_ms_p50']:.2f} / "
-              f"{r['late_ms_p99']:.2f} | {r['steps']} |", flush=True)
+    print("| engine | clients | server CPU µs/token | tokens/s | client ITL p50 / p99 ms | step lateness p50 / p99 ms "
+          "| steps |")
+    print("|---|--:|--:|--:|--:|--:|--:|")
+    for engine in (["process", "thread"] if args.engine == "both" else [args.engine]):
+        for i, num in enumerate(args.clients):
+            r = measure(argparse.Namespace(**{**vars(args), "engine": engine}), num,
+                        args.profile if i == 0 and not rows else None)
+            rows.append(r)
+            late = "-" if r["steps"] is None else f"{r['late_ms_p50']:.2f} / {r['late_ms_p99']:.2f}"
+            print(f"| {engine} | {num} | {r['cpu_us_per_token']:.1f} | {r['tokens_per_s']:.0f} | "
+                  f"{r['itl_ms_p50']:.2f} / {r['itl_ms_p99']:.2f} | {late} | {r['steps'] or '-'} |", flush=True)
     return rows
 
 

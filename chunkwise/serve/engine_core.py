@@ -79,11 +79,13 @@ class EngineView:
 class EngineCore:
     """An engine built and stepped in a spawned process; the server's side of it (see the module docstring)."""
 
-    def __init__(self, model, engine_kwargs: dict | None = None):
+    def __init__(self, model, engine_kwargs: dict | None = None, engine_class: type | None = None):
+        """The engine process will build `engine_class(model, **engine_kwargs)`: chunkwise.Engine unless another
+        class is given (a stand-in for measuring the server alone; importable, so the spawned process finds it)."""
         self.streams = Streams()
         self.failure: str | None = None
         self.engine: EngineView | None = None           # once started
-        self._model, self._kwargs = str(model), dict(engine_kwargs or {})
+        self._model, self._kwargs, self._engine_class = str(model), dict(engine_kwargs or {}), engine_class
         self._conn = self._process = self._receiver = None
         self._send_lock = threading.Lock()
         self._ids = itertools.count()
@@ -108,7 +110,7 @@ class EngineCore:
         ctx = multiprocessing.get_context("spawn")   # CUDA cannot be used in a forked child
         self._conn, child = ctx.Pipe()
         # not a daemon: a tensor-parallel engine starts worker processes of its own
-        self._process = ctx.Process(target=_core_main, args=(child, self._model, self._kwargs),
+        self._process = ctx.Process(target=_core_main, args=(child, self._model, self._kwargs, self._engine_class),
                                     name="chunkwise-engine-core")
         self._process.start()
         child.close()
@@ -275,12 +277,13 @@ class EngineCore:
 
 
 # ---- the engine process ------------------------------------------------------------------------------
-def _core_main(conn, model: str, engine_kwargs: dict) -> None:
+def _core_main(conn, model: str, engine_kwargs: dict, engine_class: type | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from chunkwise.engine import Engine
+    if engine_class is None:
+        from chunkwise.engine import Engine as engine_class
 
     try:
-        engine = Engine(model, **engine_kwargs)
+        engine = engine_class(model, **engine_kwargs)
     except Exception as e:   # one line: the engine's errors name what is wrong
         conn.send(("error", f"{type(e).__name__}: {' '.join(str(e).split())}"))
         return
