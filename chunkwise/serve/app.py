@@ -125,7 +125,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        m = state.loop.metrics
+        m = state.loop.streams.metrics
         return Response(m.render() if m is not None else b"", media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/chunks")

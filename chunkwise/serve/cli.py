@@ -90,8 +90,8 @@ def make_server(loop, model_name: str, host: str = "127.0.0.1", port: int = 8000
                 max_logprobs: int = 20, log_level: str = "info") -> Server:
     """A server over a started `loop` (an EngineLoop over an Engine of this process, or an EngineCore: an engine in
     a process of its own); `server.run()` (or a thread running it) serves."""
-    loop.metrics = Metrics(model_name, loop.num_waiting, loop.num_running, loop.kv_pages_used,
-                           loop.kv_pages_total())
+    loop.streams.metrics = Metrics(model_name, loop.num_waiting, loop.num_running, loop.kv_pages_used,
+                                   loop.kv_pages_total())
     state = ServerState(loop, model_name, max_waiting=max_waiting, max_logprobs=max_logprobs)
     config = uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)

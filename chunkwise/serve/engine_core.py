@@ -5,7 +5,7 @@ engine thread's host work for the GIL: a served step took longer than the same s
 clients' inter-token latency grew with it. Here the engine runs in a spawned process (vLLM's "engine core"):
 
 - `EngineCore` is the server's side. It has EngineLoop's interface (submit, register_chunk, unpin, abort,
-  abort_all, stop, num_waiting, num_running, kv_pages_used, failure, metrics), so the app cannot tell them apart,
+  abort_all, stop, num_waiting, num_running, kv_pages_used, failure, streams), so the app cannot tell them apart,
   and an `EngineView` as its `engine`: the config, the tokenizer, a mirror of the chunk registry, all the app reads
   to validate a request before the engine sees it. A thread of its own receives the engine's messages and routes
   outputs through `Streams`, which stamps the tokens' times there.
@@ -94,14 +94,6 @@ class EngineCore:
         self._load = _Load()
         self._num_pages = 0
         self._stopping = False
-
-    @property
-    def metrics(self):
-        return self.streams.metrics
-
-    @metrics.setter
-    def metrics(self, metrics) -> None:
-        self.streams.metrics = metrics
 
     # ---- lifetime ------------------------------------------------------------------------------------
     def start(self, timeout: float = START_TIMEOUT_S) -> None:

@@ -145,14 +145,6 @@ class EngineLoop:
         self.failure: str | None = None    # set when the engine cannot go on; the server then answers 503
         self._thread = threading.Thread(target=self._run, name="chunkwise-engine", daemon=True)
 
-    @property
-    def metrics(self):
-        return self.streams.metrics
-
-    @metrics.setter
-    def metrics(self, metrics) -> None:
-        self.streams.metrics = metrics
-
     # ---- called from the event loop (or a signal handler) ----------------------------------------------
     def start(self) -> None:
         self._thread.start()
