@@ -2,14 +2,14 @@
 and chunkwise's chunk registry (/v1/chunks) with composite completion prompts (the `chunkwise` extension).
 
 A request is parsed and checked here (protocol.py), its prompts encoded (a chat through the checkpoint's chat
-template), then its samples (n per prompt) are submitted to the engine thread together. Their outputs come back
-through one asyncio queue; stop strings are cut from the text here (stops.py), after which that sample is aborted
-in the engine. A client that disconnects, streaming or not, has its requests aborted, so their pages are freed at
+template), then its samples (n per prompt) are submitted to the engine together (`state.loop`: an EngineLoop or
+an EngineCore, the same interface). Their outputs come back through one asyncio queue; stop strings are cut from
+the text here (stops.py), after which that sample is aborted in the engine. A client that disconnects, streaming or not, has its requests aborted, so their pages are freed at
 once. Errors use OpenAI's error object: 400 for a bad request (the engine's own TypeError/ValueError message
 included), 404 for an unknown model, 429 when the waiting queue is full, 500 for a request that failed inside a
 step (only that request), 503 while shutting down or after the engine failed.
 
-Chunks: POST /v1/chunks registers one (`Engine.register_chunk`, run on the engine thread between steps), named
+Chunks: POST /v1/chunks registers one (`Engine.register_chunk`, run by the engine between steps), named
 "chunk-<n>" after its engine id; GET lists those registered here; DELETE /v1/chunks/{id} unpins one. A completion's
 `chunkwise.prompt` composes them with text and ids into one composite prompt (`prompt` then absent or empty), with
 `chunkwise.reuse` "exact" or "blend" (`recompute_ratio`, `policy`: a `chunkwise.Blend`); each choice then carries
@@ -170,7 +170,7 @@ async def _register_chunk(state: ServerState, request: Request) -> dict:
     req = parse(ChunkRequest, await _body(request))
     _check_serving(state, req.model)
     engine = state.engine
-    # the prompt's own errors (no tokenizer for text, empty, outside the vocabulary) before the engine thread
+    # the prompt's own errors (no tokenizer for text, empty, outside the vocabulary) before the engine
     _engine_check(engine.chunks.chunk_ids, req.prompt, engine.tokenizer, engine.model_config.vocab_size,
                   param="prompt")
 

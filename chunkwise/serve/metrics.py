@@ -1,8 +1,8 @@
 """The server's Prometheus metrics, on a registry of its own (so two servers in one process do not collide).
 
 Gauges are read when scraped (queue depth, running requests, KV pages); histograms and counters are fed by
-the engine thread as tokens arrive (time to first token, inter-token latency, end-to-end latency, prompt and
-generated tokens, finished requests by reason). Names follow vLLM's, with the `chunkwise_` prefix.
+the thread that routes the engine's outputs (Streams), as tokens arrive (time to first token, inter-token
+latency, end-to-end latency, prompt and generated tokens, finished requests by reason). Names follow vLLM's, with the `chunkwise_` prefix.
 """
 from __future__ import annotations
 
