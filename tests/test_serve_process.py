@@ -10,8 +10,11 @@ same interface from both.
 """
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -23,6 +26,7 @@ from chunkwise.sampling import SamplingParams
 from chunkwise.serve.cli import serving
 from chunkwise.serve.engine_core import EngineCore, EngineStartError
 
+REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-bytes"
 KW = {"dtype": "float32", "device": "cpu", "page_size": 4, "num_pages": 64, "max_model_len": 128}
 LONG = 120   # max_tokens of a request meant to be cut short (max_model_len 128)
@@ -170,3 +174,9 @@ def test_an_engine_that_cannot_be_built_is_reported_with_its_own_error(tmp_path)
     with pytest.raises(EngineStartError, match=f"^ValueError: checkpoint directory {tmp_path} has no config.json"):
         core.start()
     assert core._process.exitcode == 0
+    # the command line: the engine's error in one line, as with the engine on a thread
+    proc = subprocess.run([sys.executable, "-m", "chunkwise", "serve", "--model", str(tmp_path), "--device", "cpu"],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"python -m chunkwise serve: error: ValueError: checkpoint directory {tmp_path} has no config.json"]
