@@ -94,6 +94,7 @@ def sync():
 
 
 COMPILED: list[str] = []   # Triton kernels compiled (or loaded from the disk cache) in this process, in order
+COMPILE_TIMES: list[float] = []   # and when (time.perf_counter())
 
 
 def triton_compiles() -> int:
@@ -102,6 +103,7 @@ def triton_compiles() -> int:
 
 def _count_compile(*args, **kwargs):
     COMPILED.append(str(kwargs.get("repr", "?"))[:160])
+    COMPILE_TIMES.append(time.perf_counter())
     return False
 
 

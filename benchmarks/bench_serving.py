@@ -23,8 +23,8 @@ Modes:
           (httpx, asyncio: one streamed /v1/completions request per arrival; --client-processes of them, dealt the
           requests in turn) stamp each token's event when it arrives. Clients have processes of their own so that
           parsing their streams takes no GIL time from the server, and several so that one client's parsing of
-          every other stream does not delay its timestamps. An engine process's steps are not seen from here: its
-          runs report no steps, paths or compiles.
+          every other stream does not delay its timestamps. The engine process records its steps and compiles
+          (RecordingEngine) and each HTTP run gets those within its time, as an engine run gets its own.
 Latencies count from the scheduled arrival: TTFT to the first token, ITL the gaps between consecutive tokens of one
 request, E2E to its last token. Per mode and rate: their p50/p90/p99 (and ITL's max), output tokens/s (tokens over
 the run's duration: first arrival to last token), and goodput: the share (and rate) of requests whose TTFT is at most
@@ -58,7 +58,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.bench_engine import COMPILED, QWEN3_0_6B_SHAPE, _install_compile_counter
+from benchmarks.bench_engine import COMPILE_TIMES, COMPILED, QWEN3_0_6B_SHAPE, _install_compile_counter
 from benchmarks.step_timer import StepTimer
 from chunkwise.checkpoints import tiny_checkpoint
 from chunkwise.engine import Engine, SamplingParams
@@ -234,10 +234,38 @@ def step_stats(steps: list[dict]) -> dict:
     decode-only step (under overlap a step's wall time includes the wait for the one before), their median batch,
     and the median batch of every step."""
     decode = [s for prev, s in zip(steps, steps[1:]) if s["decode_only"] and prev["decode_only"]]
-    return dict(steps=len(steps), batch_median=float(np.median([len(s["context_lens"]) for s in steps])),
+    return dict(steps=len(steps), batch_median=float(np.median([s["batch"] for s in steps])) if steps else None,
                 decode_steps=len(decode),
                 decode_step_ms=1e3 * float(np.median([s["step"] for s in decode])) if decode else None,
                 decode_batch_median=float(np.median([s["tokens"] for s in decode])) if decode else None)
+
+
+def launched(before: dict, after: dict) -> dict[str, int]:
+    """Steps by kind and path (CUDA graph or eager) between two of the runner's `launches` counts: what a
+    latency tail came from."""
+    return {f"{kind} {path}": n - before.get((kind, path), 0) for (kind, path), n in after.items()}
+
+
+class RecordingEngine(Engine):
+    """The engine of the HTTP runs' engine process: records its steps (StepTimer: when each began, its wall time,
+    its batch, the runner's launches so far) and Triton's compiles (when each happened), and writes them as JSON to
+    `record` when closed, so that the benchmark gives each HTTP run its steps, paths and compiles as it gives an
+    engine-direct run."""
+
+    def __init__(self, model, record: str, **kwargs):
+        _install_compile_counter()
+        super().__init__(model, **kwargs)
+        self.record = record
+        self.timer = StepTimer(self, device_sync=False)
+
+    def close(self) -> None:
+        if self.record is not None:
+            steps = [dict(at=s["at"], step=s["step"], decode_only=s["decode_only"], tokens=s["tokens"],
+                          batch=s["batch"], launches=[[k, p, n] for (k, p), n in s["launches"].items()])
+                     for s in self.timer.steps]
+            Path(self.record).write_text(json.dumps(dict(steps=steps, compiles=COMPILE_TIMES)))
+            self.record = None
+        super().close()
 
 
 def sync(engine: Engine) -> None:
@@ -292,12 +320,11 @@ def markdown(results: dict) -> str:
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results["runs"]:
         g = r["goodput"]
-        step = ("-" if r.get("decode_step_ms") is None   # none, or stepped in the engine process
-                else f"{r['decode_step_ms']:.2f} ({r['decode_batch_median']:.0f})")
+        step = "-" if r["decode_step_ms"] is None else f"{r['decode_step_ms']:.2f} ({r['decode_batch_median']:.0f})"
         rows.append(f"| {r['mode']} | {r['rate']:g} | {r['duration_s']:.1f} | {r['output_tokens_per_s']:.0f} "
                     f"| {_ms(r['ttft_ms'], ('p50', 'p90', 'p99'))} | {_ms(r['itl_ms'], ('p50', 'p90', 'p99', 'max'))} "
                     f"| {_ms(r['e2e_ms'], ('p50', 'p90', 'p99'), 1e-3)} | {g['fraction']:.0%} "
-                    f"({g['requests_per_s']:.1f}/s) | {step} | {'-' if r['compiles'] is None else r['compiles']} |")
+                    f"({g['requests_per_s']:.1f}/s) | {step} | {r['compiles']} |")
     if results["decode_windows"]:
         rows += ["", "Standalone decode-only steps (after the prefill and warm-up steps):", "",
                  "| sequences | prompt tokens | step ms | tok/s | all decode-only |", "|---:|---:|---:|---:|---|"]
@@ -459,6 +486,7 @@ class Bench:
         self.workload = Workload.draw(args.num_requests, args.input_len_range, args.output_len_range,
                                       self.engine.model_config.vocab_size, args.seed)
         self.runs = itertools.count(1)   # each run's prompt ids come from (seed, its number)
+        self.process_runs: list[tuple[dict, float, float]] = []   # HTTP runs of an engine process, with their times
         self.engine_runs: dict[float, tuple[list[Request], list[Trace]]] = {}
         self.results = dict(config=self._config(model), runs=[], decode_windows=[], greedy_check=None)
 
@@ -478,7 +506,8 @@ class Bench:
         return self.workload.requests(max(self.args.rates), next(self.runs), count) if count else []
 
     def record(self, mode: str, rate: float, run) -> None:
-        """Runs `run(requests) -> (start, traces)` on the rate's requests, timed; keeps its summary."""
+        """Runs `run(requests) -> (start, traces)` on the rate's requests, timed; keeps its summary (an engine
+        process's steps and compiles are added by `add_process_steps` once it has closed)."""
         requests = self.workload.requests(rate, next(self.runs))
         here = mode == "engine" or self.args.http_engine == "thread"   # whether this process steps the engine
         steps, compiles = len(self.timer.steps), len(COMPILED)
@@ -487,16 +516,36 @@ class Bench:
         check_traces(traces, requests, f"{mode} mode at {rate:g} req/s")
         if mode == "engine":
             self.engine_runs[rate] = requests, traces
-        # Steps by kind and path (CUDA graph or eager) during the run: what a latency tail came from.
-        paths = {f"{kind} {path}": n - launches.get((kind, path), 0)
-                 for (kind, path), n in self.engine.executor.runner.launches.items()} if here else None
-        r = dict(mode=mode, rate=rate, compiles=len(COMPILED) - compiles if here else None, launches=paths,
-                 **(step_stats(self.timer.steps[steps:]) if here else {}),
-                 **summarize(traces, start, self.args.ttft_target_ms, self.args.itl_target_ms))
+        r = dict(mode=mode, rate=rate, **summarize(traces, start, self.args.ttft_target_ms, self.args.itl_target_ms))
+        if here:
+            r.update(compiles=len(COMPILED) - compiles, launches=launched(launches, self.engine.executor.runner.launches),
+                     **step_stats(self.timer.steps[steps:]))
+        else:
+            self.process_runs.append((r, start, start + r["duration_s"]))
         self.results["runs"].append(r)
-        print(f"[{mode} {rate:g} req/s] {r['output_tokens_per_s']:.0f} tok/s; TTFT p50/p99 "
+        self.report(r)
+
+    @staticmethod
+    def report(r: dict) -> None:
+        steps = f"compiles {r['compiles']}; steps {r['launches']}" if "compiles" in r else "(steps: see below)"
+        print(f"[{r['mode']} {r['rate']:g} req/s] {r['output_tokens_per_s']:.0f} tok/s; TTFT p50/p99 "
               f"{_ms(r['ttft_ms'], ('p50', 'p99'))} ms; ITL p50/p99 {_ms(r['itl_ms'], ('p50', 'p99'))} ms; goodput "
-              f"{r['goodput']['fraction']:.0%}; compiles {r['compiles']}; steps {paths}", flush=True)
+              f"{r['goodput']['fraction']:.0%}; {steps}", flush=True)
+
+    def add_process_steps(self, path: Path) -> None:
+        """Each HTTP run's steps, launches and compiles from the engine process's record (RecordingEngine): those
+        that began within the run (clocks agree across processes: time.perf_counter is the system's)."""
+        rec = json.loads(path.read_text())
+        steps = [dict(s, launches={(k, p): n for k, p, n in s["launches"]}) for s in rec["steps"]]
+        for r, begin, end in self.process_runs:
+            before = [s for s in steps if s["at"] < begin]
+            inside = [s for s in steps if begin <= s["at"] <= end]
+            base = before[-1]["launches"] if before else {}
+            r.update(compiles=sum(begin <= t <= end for t in rec["compiles"]),
+                     launches=launched(base, inside[-1]["launches"] if inside else base), **step_stats(inside))
+            step = "-" if r["decode_step_ms"] is None else f"{r['decode_step_ms']:.2f} ms"
+            print(f"[{r['mode']} {r['rate']:g} req/s, the engine process] compiles {r['compiles']}; steps "
+                  f"{r['launches']}; decode-only step {step}", flush=True)
 
     def engine_mode(self) -> None:
         warm = self.warmup_requests()
@@ -517,13 +566,14 @@ class Bench:
         """The server over an engine process built alike (or this engine), client processes, warm-up, the greedy
         check, runs; this engine is closed by the end."""
         spawn = multiprocessing.get_context("spawn")   # a fresh interpreter: no copy of this one's threads or CUDA
-        engine = self.engine
+        engine, record = self.engine, self.args.out / "engine_process_steps.json"
         if self.args.http_engine == "process":
             self.engine.close()   # its memory is the engine process's now
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            engine = EngineCore(self.model, self.kwargs)
+            record.parent.mkdir(parents=True, exist_ok=True)
+            engine = EngineCore(self.model, dict(self.kwargs, record=str(record)), engine_class=RecordingEngine)
             engine.start()
         k = self.args.client_processes
         with serving(engine, SERVED_NAME) as srv, ProcessPoolExecutor(k, mp_context=spawn) as clients:
@@ -540,6 +590,8 @@ class Bench:
             self.greedy_check(run)
             for rate in self.args.rates:
                 self.record("http", rate, run)
+        if self.process_runs:   # the engine process has closed, its record written
+            self.add_process_steps(record)
 
     def greedy_check(self, run) -> None:
         """The first requests of the first rate's engine run, again over HTTP (at once, with their token names)."""

@@ -38,7 +38,7 @@ class StepTimer:
 
         def timed(*args, **kwargs):
             if new_step:
-                self._current = {}
+                self._current = {"at": time.perf_counter()}   # when the step began (any process's clock)
             if inspect is not None:
                 inspect(*args)
             start = time.perf_counter()
@@ -47,6 +47,8 @@ class StepTimer:
                 torch.cuda.synchronize()
             self._current[phase] = self._current.get(phase, 0.0) + time.perf_counter() - start
             if new_step and "forward" in self._current:
+                # the runner's launches by (kind, path) so far: a window's difference says how its steps ran
+                self._current["launches"] = dict(self.engine.executor.runner.launches)
                 self.steps.append(self._current)
             return out
         setattr(obj, name, timed)
@@ -56,7 +58,7 @@ class StepTimer:
         # num_prefill == 0: short decodes take paged_attention's rows, counted there, on CPU (split_kv_threshold 256)
         # and in deterministic mode (no split-KV).
         decode_only = host.blend is None and len(host.ids) == len(host.seq_lens)
-        self._current.update(tokens=len(host.ids), decode_only=decode_only,
+        self._current.update(tokens=len(host.ids), decode_only=decode_only, batch=len(host.seq_lens),
                              context_lens=np.asarray(host.seq_lens, np.int64))
 
     def summary(self, cost: ModelCost, ceilings: Ceilings) -> dict:

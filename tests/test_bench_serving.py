@@ -79,13 +79,14 @@ def test_greedy_tokens_over_http_are_the_engine_runs(bench):
     assert results["greedy_check"] == dict(requests=NUM, identical=NUM, differing=[])
 
 
-def test_decode_only_step_time_is_measured_in_the_engine_run_and_standalone(bench):
+def test_decode_only_step_time_is_measured_in_each_run_and_standalone(bench):
+    """The HTTP run's from the engine process's own record, as the engine run's from this process's."""
     results, _ = bench
-    engine_run, http_run = results["runs"]
-    assert engine_run["decode_steps"] >= 1 and engine_run["decode_step_ms"] > 0
-    assert 1 <= engine_run["decode_batch_median"] <= NUM and engine_run["compiles"] == 0
-    # stepped in the engine process, unseen from here
-    assert http_run["compiles"] is None and http_run["launches"] is None and "decode_step_ms" not in http_run
+    for run in results["runs"]:
+        assert run["decode_steps"] >= 1 and run["decode_step_ms"] > 0, run["mode"]
+        assert 1 <= run["decode_batch_median"] <= NUM and run["compiles"] == 0
+        # every step of the run, and only those: each request's first token needs a prefill step
+        assert sum(run["launches"].values()) == run["steps"] and run["launches"].get("mixed eager", 0) >= 1
     [window] = results["decode_windows"]
     assert window["sequences"] == 2 and window["all_decode"] and window["step_ms"] > 0
     assert window["tokens_per_s"] == pytest.approx(2 / (window["step_ms"] / 1e3))
