@@ -58,7 +58,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.bench_engine import COMPILE_TIMES, COMPILED, QWEN3_0_6B_SHAPE, _install_compile_counter
+from benchmarks.bench_engine import COMPILE_TIMES, QWEN3_0_6B_SHAPE, _install_compile_counter
 from benchmarks.step_timer import StepTimer
 from chunkwise.checkpoints import tiny_checkpoint
 from chunkwise.engine import Engine, SamplingParams
@@ -240,10 +240,17 @@ def step_stats(steps: list[dict]) -> dict:
                 decode_batch_median=float(np.median([s["tokens"] for s in decode])) if decode else None)
 
 
-def launched(before: dict, after: dict) -> dict[str, int]:
-    """Steps by kind and path (CUDA graph or eager) between two of the runner's `launches` counts: what a
-    latency tail came from."""
-    return {f"{kind} {path}": n - before.get((kind, path), 0) for (kind, path), n in after.items()}
+def window_stats(steps: list[dict], compile_times: list[float], begin: float, end: float) -> dict:
+    """A run's engine steps (StepTimer's records, in order) and Triton compiles: those that began within [begin,
+    end] (time.perf_counter is the system's clock, so this works across processes): their count, step_stats, and
+    the steps by kind and path (CUDA graph or eager) from the runner's `launches` counts, what a latency tail came
+    from."""
+    before = [s for s in steps if s["at"] < begin]
+    inside = [s for s in steps if begin <= s["at"] <= end]
+    base = before[-1]["launches"] if before else {}
+    last = inside[-1]["launches"] if inside else base
+    return dict(compiles=sum(begin <= t <= end for t in compile_times), **step_stats(inside),
+                launches={f"{kind} {path}": n - base.get((kind, path), 0) for (kind, path), n in last.items()})
 
 
 class RecordingEngine(Engine):
@@ -509,19 +516,16 @@ class Bench:
         """Runs `run(requests) -> (start, traces)` on the rate's requests, timed; keeps its summary (an engine
         process's steps and compiles are added by `add_process_steps` once it has closed)."""
         requests = self.workload.requests(rate, next(self.runs))
-        here = mode == "engine" or self.args.http_engine == "thread"   # whether this process steps the engine
-        steps, compiles = len(self.timer.steps), len(COMPILED)
-        launches = dict(self.engine.executor.runner.launches) if here else {}
         start, traces = run(requests)
         check_traces(traces, requests, f"{mode} mode at {rate:g} req/s")
         if mode == "engine":
             self.engine_runs[rate] = requests, traces
         r = dict(mode=mode, rate=rate, **summarize(traces, start, self.args.ttft_target_ms, self.args.itl_target_ms))
-        if here:
-            r.update(compiles=len(COMPILED) - compiles, launches=launched(launches, self.engine.executor.runner.launches),
-                     **step_stats(self.timer.steps[steps:]))
+        end = start + r["duration_s"]
+        if mode == "engine" or self.args.http_engine == "thread":   # this process stepped the engine
+            r.update(window_stats(self.timer.steps, COMPILE_TIMES, start, end))
         else:
-            self.process_runs.append((r, start, start + r["duration_s"]))
+            self.process_runs.append((r, start, end))
         self.results["runs"].append(r)
         self.report(r)
 
@@ -533,16 +537,11 @@ class Bench:
               f"{r['goodput']['fraction']:.0%}; {steps}", flush=True)
 
     def add_process_steps(self, path: Path) -> None:
-        """Each HTTP run's steps, launches and compiles from the engine process's record (RecordingEngine): those
-        that began within the run (clocks agree across processes: time.perf_counter is the system's)."""
+        """Each HTTP run's steps, launches and compiles from the engine process's record (RecordingEngine)."""
         rec = json.loads(path.read_text())
         steps = [dict(s, launches={(k, p): n for k, p, n in s["launches"]}) for s in rec["steps"]]
         for r, begin, end in self.process_runs:
-            before = [s for s in steps if s["at"] < begin]
-            inside = [s for s in steps if begin <= s["at"] <= end]
-            base = before[-1]["launches"] if before else {}
-            r.update(compiles=sum(begin <= t <= end for t in rec["compiles"]),
-                     launches=launched(base, inside[-1]["launches"] if inside else base), **step_stats(inside))
+            r.update(window_stats(steps, rec["compiles"], begin, end))
             step = "-" if r["decode_step_ms"] is None else f"{r['decode_step_ms']:.2f} ms"
             print(f"[{r['mode']} {r['rate']:g} req/s, the engine process] compiles {r['compiles']}; steps "
                   f"{r['launches']}; decode-only step {step}", flush=True)

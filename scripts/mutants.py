@@ -74,6 +74,7 @@ SELECTION = [
     "tests/test_serve_chunks.py",
     "tests/test_serve_streaming.py",
     "tests/test_serve_process.py",
+    "tests/test_bench_serving.py",
     "tests/test_tensor_parallel_lifecycle.py",
 ]
 SMOKE_MARKER = "smoke"   # conftest.py runs these first in any selection
@@ -462,8 +463,8 @@ MUTANTS = [
            "self.metrics.itl.observe(now - stream.arrival)",
            "the inter-token latency histogram measures from the request's arrival, not from its previous token"),
     Mutant("serve_core_drops_aborts", "chunkwise/serve/engine_core.py",
-           "else [r for r in m[1] if r in self.live])",
-           "else [r for r in m[1] if r not in self.live])",
+           "self._abort(list(self.live) if m[1] is None else m[1])",
+           "self._abort(list(self.live) if m[1] is None else [])",
            "the engine process ignores the server's aborts of running requests: a client that disconnects leaves "
            "its request holding pages in the engine process"),
     Mutant("serve_core_chunk_mirror_stale", "chunkwise/serve/engine_core.py",
@@ -471,6 +472,17 @@ MUTANTS = [
            "",
            "the server's mirror of the engine process's chunk registry does not learn of new chunks, so it refuses "
            "them in composite prompts"),
+    # ---- the serving benchmark ---------------------------------------------------------------------------------------
+    Mutant("bench_serving_clients_traces_misdealt", "benchmarks/bench_serving.py",
+           "                    traces[i::k] = part.result()\n",
+           "                    traces[i * len(part.result()):(i + 1) * len(part.result())] = part.result()\n",
+           "the traces of the requests dealt to several client processes are put back in blocks, not in turn, so "
+           "each latency is matched to another request"),
+    Mutant("bench_serving_run_takes_earlier_steps", "benchmarks/bench_serving.py",
+           "    inside = [s for s in steps if begin <= s[\"at\"] <= end]\n",
+           "    inside = [s for s in steps if s[\"at\"] <= end]\n",
+           "a run's steps include those before it began (warm-up, earlier runs), so its step counts and decode-only "
+           "step time are not its own"),
     # ---- every dtype through every kernel ---------------------------------------------------------------------------
     Mutant("matmul_truncates_to_bf16", "chunkwise/kernels/matmul.py",
            "cast(acc, out_ptr.dtype.element_ty)",

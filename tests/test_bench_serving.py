@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks.bench_serving import Trace, Workload, main, summarize
+from benchmarks.bench_serving import Trace, Workload, main, parse_args, summarize
 
 # One run of the benchmark (about 20 s on one core) serves the module: its tests stay on one xdist worker.
 pytestmark = pytest.mark.xdist_group("bench_serving")
@@ -137,11 +137,16 @@ def test_workload_is_seeded_and_runs_share_lengths_and_arrival_pattern_not_promp
 
 @pytest.mark.parametrize("args, message", [(["--rates", "8,0"], "'8,0'"), (["--input-len-range", "9,3"], "'9,3'"),
                                            (["--modes", "engine,grpc"], "'engine,grpc'"),
-                                           (["--max-model-len", "100"], "--max-model-len 100")])
+                                           (["--max-model-len", "100"], "--max-model-len 100"),
+                                           (["--client-processes", "0"], "--client-processes must be >= 1, got 0")])
 def test_a_bad_value_is_refused_before_anything_runs_naming_it(args, message, capsys):
     with pytest.raises(SystemExit) as exc:
         main(args + ["--no-plot"])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_one_client_process_is_allowed():
+    assert parse_args(["--client-processes", "1", "--no-plot"]).client_processes == 1
 
 
 def test_help_describes_the_options(capsys):

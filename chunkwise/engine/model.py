@@ -60,7 +60,8 @@ class StepInputs:
 
 
 # A step of at most this many prefill rows splits their context across programs every PREFILL_SPLIT_SIZE positions,
-# in PREFILL_SPLIT_TILE_ROWS-row tiles (paged_attention's split_size): such a chunk fills few programs, each sweeping the whole context.
+# in PREFILL_SPLIT_TILE_ROWS-row tiles (paged_attention's split_size): such a chunk fills few programs, each
+# sweeping the whole context.
 # Chosen on an H200 (benchmarks/attention_rows.py, CUDA-graph replays, Qwen3-0.6B's 16q/8kv d128): over chunks of
 # 64-512 rows after 512-8192 tokens 2.3x less time than one pass (geometric mean; 512 positions and 128 rows beat
 # 256 or 1024 and 256 rows), and less at every such shape; at 1024 rows or more one pass wins after 2k tokens.

@@ -200,8 +200,12 @@ async def _unpin_chunk(state: ServerState, name: str) -> dict:
     if name not in state.pinned:
         raise bad_request(f"the chunk `{name}` is not pinned (registered with pin=false, or unpinned already)")
 
+    def record(unpinned: Future) -> None:
+        if unpinned.exception() is None:
+            state.pinned.discard(name)
+
     unpinned = state.loop.unpin(chunk)
-    unpinned.add_done_callback(lambda f: f.exception() is None and state.pinned.discard(name))
+    unpinned.add_done_callback(record)
     try:
         await asyncio.wrap_future(unpinned)
     except ValueError as e:   # unpinned meanwhile by another request

@@ -28,8 +28,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from chunkwise.chunks import ChunkRegistry
+from chunkwise.engine import Engine
+from chunkwise.engine.llm_engine import check_blend
 from chunkwise.engine_config import EngineConfig
-from chunkwise.serve.engine_loop import Streams, Submission, add_samples
+from chunkwise.serve.engine_loop import Streams, Submission, abort_requests, add_samples
 from chunkwise.tokenizer import load_tokenizer
 
 log = logging.getLogger("chunkwise.serve")
@@ -63,17 +65,14 @@ class EngineView:
     chunk registry and blend check), none of its state."""
 
     def __init__(self, hello: _Hello):
-        from chunkwise.engine.llm_engine import check_blend
-
         self.engine_config = config = hello.config
         self.model_config, self.max_model_len = config.model_config, config.max_model_len
         self.tokenizer = load_tokenizer(config.path)
         # only this server registers chunks with its engine, so counting those it registered keeps the mirror exact
         self.chunks = ChunkRegistry("", name=hello.chunk_registry)
-        self._check_blend = check_blend
 
     def check_blend(self, blend, index: int = 0) -> None:
-        self._check_blend(self.engine_config, blend, index)
+        check_blend(self.engine_config, blend, index)
 
 
 class EngineCore:
@@ -271,11 +270,8 @@ class EngineCore:
 # ---- the engine process ------------------------------------------------------------------------------
 def _core_main(conn, model: str, engine_kwargs: dict, engine_class: type | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if engine_class is None:
-        from chunkwise.engine import Engine as engine_class
-
     try:
-        engine = engine_class(model, **engine_kwargs)
+        engine = (engine_class or Engine)(model, **engine_kwargs)
     except Exception as e:   # one line: the engine's errors name what is wrong
         conn.send(("error", f"{type(e).__name__}: {' '.join(str(e).split())}"))
         return
@@ -311,8 +307,8 @@ class _CoreLoop:
                 return
             called = False
             for m in messages:
-                if m[0] == "abort":
-                    self._abort(list(self.live) if m[1] is None else [r for r in m[1] if r in self.live])
+                if m[0] == "abort":   # ids the server was given; a finished one has nothing to abort
+                    self._abort(list(self.live) if m[1] is None else m[1])
                 elif m[0] == "call":
                     called = True
                     self._call(*m[1:])
@@ -339,14 +335,8 @@ class _CoreLoop:
                 self.live.discard(out.request_id)
         self.conn.send(("outputs", outs, self._load()))
 
-    def _abort(self, rids: list[int]) -> None:
-        from chunkwise.engine.llm_engine import StepOutput
-
-        outs = []
-        for rid in rids:
-            out = self.engine.abort(rid)
-            if out is not None:   # None: it finished meanwhile, and that output was sent
-                outs.append(StepOutput(rid, [], None, "abort", out))
+    def _abort(self, rids) -> None:
+        outs = abort_requests(self.engine, rids)
         if outs:
             self._send_outputs(outs)
 

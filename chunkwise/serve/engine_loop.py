@@ -68,6 +68,17 @@ def add_samples(engine, prompts: list, params: list[SamplingParams], reuse: list
     return rids
 
 
+def abort_requests(engine, request_ids) -> list[StepOutput]:
+    """Aborts these requests; the "abort" output of each that was still running (one that had finished has had its
+    last output already)."""
+    outs = []
+    for rid in request_ids:
+        out = engine.abort(rid)
+        if out is not None:
+            outs.append(StepOutput(rid, [], None, "abort", out))
+    return outs
+
+
 class Streams:
     """Where each engine request's outputs go (its HTTP request's asyncio queue), with the token-timing metrics.
     Used by one thread at a time: the one that adds requests and routes their outputs."""
@@ -222,7 +233,7 @@ class EngineLoop:
             self._wake.clear()
             self._take_aborts()
             if self._stopping:
-                self._abort_all()
+                self._abort(self.streams.ids())
                 self._refuse_calls("the server is shutting down")
                 return
             # a call may step the engine itself (register_chunk computes the chunk): streamed requests' outputs
@@ -271,20 +282,15 @@ class EngineLoop:
             sub.future.set_result(rids)
 
     def _take_aborts(self) -> None:
-        for rid in _drained(self._aborts):
-            if rid is None:
-                self._abort_all()
-            elif rid in self.streams:
-                self._abort(rid)
+        rids = set(_drained(self._aborts))   # None: every request
+        if rids:
+            self._abort(self.streams.ids() if None in rids else [rid for rid in rids if rid in self.streams])
 
-    def _abort_all(self) -> None:
-        for rid in self.streams.ids():
-            self._abort(rid)
-
-    def _abort(self, rid: int) -> None:
-        out = self.engine.abort(rid)
-        if out is not None:   # None: it finished meanwhile, and that output was delivered
-            self.streams.deliver([StepOutput(rid, [], None, "abort", out)])
+    def _abort(self, rids) -> None:
+        """One delivery for all of them: each call wakes the event loop."""
+        outs = abort_requests(self.engine, rids)
+        if outs:
+            self.streams.deliver(outs)
 
     def _fail_all(self, error: str) -> None:
         """The engine raised out of step(): every request ends with an error, and the server takes no more."""
