@@ -11,7 +11,8 @@ from hypothesis import example, given, settings, strategies as st
 
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from chunkwise.engine import Engine, SamplingParams
-from chunkwise.engine.cuda_graphs import ROWS_STEP, StepGraphs
+from chunkwise.chunks import Blend
+from chunkwise.engine.cuda_graphs import PREFILL_SEQS, ROWS_STEP, StepGraphs, tail_bucket
 from chunkwise.engine.host_step import synthetic_step
 
 pytestmark = pytest.mark.correctness
@@ -90,8 +91,74 @@ def test_mixed_steps_over_the_static_inputs_give_the_eager_steps_bits_in_determi
     assert not any(o.error for o in outs), [o.error for o in outs]
     ref = reference_engine("qwen3")
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref.generate(prompts, params)]
-    assert staged, "no mixed step was staged"
+    if graph_tokens >= budget:   # every prefill step fits a graph (with fewer, a draw may have none that does)
+        assert staged, "no mixed step was staged"
     assert eng.page_pool.num_free_pages == eng.page_pool.num_pages
+
+
+def test_every_tail_bucket_holds_its_rows_with_bounded_padding():
+    for n in range(1, 3000):
+        rows = tail_bucket(n)
+        assert n <= rows < n + (ROWS_STEP if n <= 512 else 256) and (rows % 16 == 0)
+    assert len({tail_bucket(n) for n in range(1, 8193)}) == 2 + 8 + 30   # 16, 32, 64..512 by 64, then by 256
+
+
+BLENDS = [Blend(0.3), Blend(1.0), Blend(0.0), Blend(0.25, "chunk-heads")]
+
+
+@settings(max_examples=max(1, settings().max_examples // 10), deadline=None)
+@example(family="qwen3", page_size=4, blend=Blend(0.3), docs=[13, 9, 17], requests=2, decoding=False)
+@example(family="gemma3_text", page_size=1, blend=Blend(0.25, "chunk-heads"), docs=[20, 5], requests=1,
+         decoding=False)
+@example(family="llama", page_size=2, blend=Blend(0.3), docs=[8, 8, 8], requests=PREFILL_SEQS + 1, decoding=False)
+@example(family="mistral", page_size=4, blend=Blend(0.3), docs=[12, 7], requests=2, decoding=True)
+@given(family=st.sampled_from(["qwen3", "gemma3_text", "llama", "mistral"]), page_size=st.sampled_from([1, 2, 4, 8]),
+       blend=st.sampled_from(BLENDS), docs=st.lists(st.integers(1, 24), min_size=1, max_size=4),
+       requests=st.integers(1, PREFILL_SEQS + 1), decoding=st.booleans())
+def test_blended_steps_tails_over_the_static_inputs_give_the_eager_tails_bits_in_deterministic_mode(
+        tiny_ckpt, family, page_size, blend, docs, requests, decoding):
+    """A blended step's layers after its check layers, staged into their tail graph's static inputs (padded to the
+    row bucket, PREFILL_SEQS sequences) and run eagerly, give the eager tail's logits bit for bit; steps no tail
+    graph holds (decodes beside the prefills, too many prefills) keep the eager tail, and the engine's tokens equal
+    an engine's without tails."""
+    path = str(tiny_ckpt(family, num_hidden_layers=6))   # check layers 1..3, then a tail of two
+    kw = dict(dtype="float32", device="cpu", page_size=page_size, num_pages=400, max_model_len=192,
+              max_num_batched_tokens=512, deterministic=True)
+    outs = {}
+    for tails in (False, True):
+        eng = Engine(path, **kw)
+        graphs, staged = eng.executor.runner.graphs, []
+        if tails:
+            graphs.tail_rows = 512
+
+            def static_tail(state):
+                logits = graphs.static_tail(state)
+                if logits is not None:
+                    assert torch.equal(logits, graphs.model.tail(state, graphs.kv.layers)), graphs.tail_key(state)
+                    staged.append(graphs.tail_key(state))
+                return logits
+            graphs.blend_tail = static_tail
+        chunks = [eng.register_chunk([(5 * i + 7 * n) % (VOCAB - 3) + 3 for i in range(n)]) for n in docs]
+        prompts = [[[3 + j], *chunks[j % len(chunks):], *chunks[:j % len(chunks)], [4, 5 + j]]
+                   for j in range(requests)]
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        first = []
+        if decoding:   # a plain request decodes while the blended ones prefill: no tail graph holds those steps
+            first.append(eng.add_request([9, 10, 11], SamplingParams(max_tokens=8, ignore_eos=True)))
+            eng.step()
+        ids = first + [eng.add_request(p, params, reuse=blend) for p in prompts]
+        done = {}
+        while eng.has_unfinished():
+            done.update({o.request_id: o.output for o in eng.step() if o.finished})
+        outs[tails] = [done[i].token_ids for i in ids]
+        assert not any(done[i].error for i in ids), [done[i].error for i in ids]
+        if tails:
+            layers = 4 if blend.policy == "kv-deviation" and blend.recompute_ratio > 0 else 0
+            if not decoding and requests <= PREFILL_SEQS:
+                assert staged and all(layer == layers for layer, _ in staged), staged
+            if requests > PREFILL_SEQS:
+                assert not staged, staged
+    assert outs[True] == outs[False]
 
 
 @pytest.mark.gpu
@@ -122,3 +189,29 @@ def test_mixed_steps_replay_graphs_with_the_eager_engines_bits_in_deterministic_
         assert eng.executor.runner.launches["mixed", "graph"] > 0
     ref = chunkwise.reference.Engine(path, dtype="float32", max_model_len=256)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref.generate(prompts, params)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("blend", [Blend(0.3), Blend(0.25, "chunk-heads")], ids=["kv-deviation", "chunk-heads"])
+def test_blended_prefills_replay_tail_graphs_with_the_eager_engines_bits_in_deterministic_mode(blend):
+    """On the GPU, a blended prefill's layers after its check layers replay a tail graph (counted in the runner's
+    launches), and a deterministic bf16 engine's tokens and K/V equal an eager one's bit for bit."""
+    from chunkwise.checkpoints import tiny_checkpoint
+
+    path = tiny_checkpoint("qwen3", num_hidden_layers=6)
+    gen = torch.Generator().manual_seed(2)
+    docs = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (40, 77, 16, 130)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    kw = dict(max_model_len=512, max_num_batched_tokens=1024, max_num_seqs=4, page_size=16, num_pages=128)
+    runs = {}
+    for eager in (False, True):
+        with Engine(path, dtype="bfloat16", deterministic=True, enforce_eager=eager, **kw) as eng:
+            chunks = [eng.register_chunk(d, pin=True) for d in docs]
+            prompts = [[[5, 6], *chunks, [7, 8, 9]], [[10], chunks[2], chunks[0], [11]]]
+            outs = eng.generate(prompts, params, use_tqdm=False, reuse=blend)
+            runs[eager] = [o.token_ids for o in outs], eng.prefill_kv(prompts[0], reuse=blend), \
+                eng.executor.runner.launches
+    (tokens, kv, launches), (eager_tokens, eager_kv, eager_launches) = runs[False], runs[True]
+    assert launches["blend tail", "graph"] > 0 and not eager_launches["blend tail", "graph"], launches
+    assert tokens == eager_tokens
+    assert all(torch.equal(a, b) for a, b in zip(kv, eager_kv))

@@ -24,6 +24,7 @@ Flat-batch layout (built by `ModelRunner`): tokens of the sequences that bring p
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -59,6 +60,15 @@ class StepInputs:
         return self.input_ids.shape[0] - self.decode_seq_lens.shape[0]
 
 
+@dataclass
+class LayerState:
+    """The residual stream of a step between two layers: what the layers from `layer` on need."""
+    layer: int                         # the next layer to run
+    h: torch.Tensor                    # [T, hidden]: the last sublayer's output (the embedding before layer 0)
+    residual: torch.Tensor | None      # [T, hidden]: the residual stream before it (None before layer 0)
+    inp: StepInputs                    # the step's inputs as of `layer` (a blend's rows after its selections)
+
+
 # A step of at most this many prefill rows splits their context across programs every PREFILL_SPLIT_SIZE positions,
 # in PREFILL_SPLIT_TILE_ROWS-row tiles (paged_attention's split_size): such a chunk fills few programs, each
 # sweeping the whole context.
@@ -69,6 +79,8 @@ class StepInputs:
 PREFILL_SPLIT_ROWS = 512
 PREFILL_SPLIT_SIZE = 512
 PREFILL_SPLIT_TILE_ROWS = 128   # the split launches' tile cap, and so their workspace's
+# A blend's rows after its check layers lie anywhere in the context, each query block spanning most of it.
+BLEND_SPLIT_ROWS = 1024
 # Deterministic decodes' tile rows: one warpgroup of the prefill's 128-key tiles. One-token queries leave taller
 # tiles mostly padding; on an H100 decode batches took 15-17% less time than on 128 rows.
 DETERMINISTIC_DECODE_ROWS = 64
@@ -147,28 +159,66 @@ class Model:
             self.tp.all_reduce(h)
         return add_rms_norm(h, residual, weight, eps, plus_one, pre_weight=pre_weight)
 
-    def forward(self, inp: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(self, inp: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                tail: Callable[[LayerState], torch.Tensor | None] | None = None) -> torch.Tensor:
         """Logits [N, vocab] for the rows `inp.logits_indices` (the model's dtype; float32 when soft-capped), after
-        writing every layer's K/V; under tensor parallelism, this rank's [N, P] slice of them (soft-capped alike)."""
+        writing every layer's K/V; under tensor parallelism, this rank's [N, P] slice of them (soft-capped alike).
+
+        A blended step runs its check layers here; from the first layer after them its rows are fixed, and
+        `tail` (the runner's CUDA graphs) may run the rest: it returns the logits, or None to leave them here."""
         h = self._embed(inp.input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        state = LayerState(0, h, None, inp)
+        blend = inp.blend
+        if blend is not None:
+            self._place(blend, kv_caches)
+            state = self._layers(state, kv_caches, max(blend.checks, default=-1) + 1, blend)
+            if tail is not None and state.layer < len(self.layers):
+                logits = tail(state)
+                if logits is not None:
+                    return logits
+        return self.tail(state, kv_caches)
+
+    def tail(self, state: LayerState, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The logits after running the layers from `state.layer` on (no check layer among them)."""
+        state = self._layers(state, kv_caches, len(self.layers))
+        x, _ = self._add_norm(state.h, state.residual, self.final_norm, self._pending(state.layer))
+        logits = self._linear(x[state.inp.logits_indices], self.lm_head)   # row-wise: norm all rows, then pick
+        cap = self.cfg.final_logit_softcapping
+        if cap:
+            return torch.tanh(logits.float() / cap) * cap
+        # Left in the model's dtype: its conversion to float32 is exact, so argmax sees the same values, and
+        # sampling and logprobs convert the rows they read; converting all [N, vocab] here took about 2% of a
+        # decode step on Qwen3's 152k vocabulary.
+        return logits
+
+    def _pending(self, layer: int) -> torch.Tensor | None:
+        """Gemma's post-FF norm of the layer before `layer`, applied inside the next norm's kernel."""
+        return self.layers[layer - 1]["post_ff_norm"] if self.cfg.sandwich_norms and layer > 0 else None
+
+    def _layers(self, state: LayerState, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], stop: int,
+                blend: BlendInputs | None = None) -> LayerState:
+        """Runs layers state.layer..stop-1. With `blend` (from layer 0), its check layers select the rows that go
+        on, and its `kept` becomes the rows (layer-0 layout) left after `stop`."""
+        inp, h, residual = state.inp, state.h, state.residual
+        # RoPE's cos/sin are elementwise in the positions: made once here for every layer (a selection narrows
+        # them as it narrows the positions).
         rope = [rope_cos_sin(inp.positions, inv_freq) for inv_freq in self.inv_freqs]
         # Deterministic mode: decodes go through paged_attention as one-token sequences.
         decode_qsl = (torch.arange(inp.decode_seq_lens.shape[0] + 1, dtype=torch.int32, device=h.device)
                       if self.deterministic else None)
         split_decodes = decode_qsl is None and inp.decode_seq_lens.shape[0] > 0
         workspace = self._split_workspace(inp, kv_caches[0][0]) if split_decodes else None
-        prefill_workspace = self._prefill_workspace(inp, kv_caches[0][0])
-        blend = inp.blend
+        prefill_workspace = self._prefill_workspace(inp, kv_caches[0][0], selecting=blend is not None)
         if blend is not None:
-            self._place(blend, kv_caches)
             candidate = blend.candidate
             kept = torch.arange(candidate.shape[0], device=h.device)
         # A sublayer's output h joins the residual stream inside the next norm's kernel. Gemma normalizes h
         # first (post-attention / post-FF norm): that norm (`pending` for the post-FF one) goes in the same kernel.
-        residual, pending = None, None
-        for i, lw in enumerate(self.layers):
+        pending = self._pending(state.layer)
+        for i in range(state.layer, stop):
+            lw = self.layers[i]
             x, residual = self._add_norm(h, residual, lw["input_norm"], pending)
             check = blend.checks.get(i) if blend is not None else None
             placed = self._kv_rows(kv_caches[i], inp.slot_mapping) if check is not None else None
@@ -190,15 +240,7 @@ class Model:
             h = self._mlp(lw, x)
         if blend is not None:
             blend.kept = kept
-        x, _ = self._add_norm(h, residual, self.final_norm, pending)  # row-wise: norm all rows, then pick
-        logits = self._linear(x[inp.logits_indices], self.lm_head)
-        cap = self.cfg.final_logit_softcapping
-        if cap:
-            return torch.tanh(logits.float() / cap) * cap
-        # Left in the model's dtype: its conversion to float32 is exact, so argmax sees the same values, and
-        # sampling and logprobs convert the rows they read; converting all [N, vocab] here took about 2% of a
-        # decode step on Qwen3's 152k vocabulary.
-        return logits
+        return LayerState(stop, h, residual, inp)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
@@ -221,12 +263,14 @@ class Model:
         return split_workspace(tables.shape[0], heads, kv_heads, self.cfg.head_dim,
                                num_splits_for(tables.shape[1], k_cache.shape[1], self.split_size), tables.device)
 
-    def _prefill_workspace(self, inp: StepInputs, k_cache: torch.Tensor) -> SplitWorkspace | None:
-        """The scratch of a step whose prefill rows split their context (PREFILL_SPLIT_ROWS), made once per step for
-        every layer; None for one pass: larger steps, blended rows (whose selection changes their count per layer)
-        and deterministic mode (where a token's bits must not depend on the step that computes it)."""
+    def _prefill_workspace(self, inp: StepInputs, k_cache: torch.Tensor, selecting: bool) -> SplitWorkspace | None:
+        """The scratch of a step whose prefill rows split their context, made once per run of layers for each of
+        them; None for one pass: larger steps, a blend's layers up to its last check layer (`selecting`: its
+        selection changes the rows' count per layer), and deterministic mode (where a token's bits must not depend
+        on the step that computes it). A blend's rows after its check layers split up to BLEND_SPLIT_ROWS."""
         p = inp.num_prefill_tokens
-        if self.deterministic or inp.blend is not None or not 0 < p <= PREFILL_SPLIT_ROWS:
+        cap = PREFILL_SPLIT_ROWS if inp.blend is None else BLEND_SPLIT_ROWS
+        if self.deterministic or selecting or not 0 < p <= cap:
             return None
         return paged_split_workspace(p, self._heads()[0], self.embed.dtype, k_cache, inp.page_tables,
                                      PREFILL_SPLIT_SIZE, max_rows=PREFILL_SPLIT_TILE_ROWS)

@@ -252,9 +252,16 @@ class ModelRunner:
             return self.graphs.replay(host, key, self.tables.table, self.last_tokens)
         self.launches[kind, "eager"] += 1
         inp = self._upload(host)
-        logits = self.model.forward(inp, self.kv.layers)
+        logits = self.model.forward(inp, self.kv.layers, tail=self._blend_tail if self.graphs.tail_rows else None)
         self.last_blend = inp.blend
         return logits, None
+
+    def _blend_tail(self, state) -> torch.Tensor | None:
+        """A blended step's layers after its check layers, as a tail graph's replay where one holds them."""
+        logits = self.graphs.blend_tail(state)
+        if logits is not None:
+            self.launches["blend tail", "graph"] += 1
+        return logits
 
     def _warm_up(self):
         """Run one eager forward per specialisation class, so no Triton kernel compiles inside a user's step.
