@@ -5,6 +5,8 @@ Per layer, the new tokens' K/V go into the paged cache first (`rope_store`, fuse
 attention then reads pages only, so prefill, chunked prefill and decode read K/V the same way
 (docs/ARCHITECTURE.md, lesson 3). Each residual add is folded into the norm after it (`add_rms_norm`), so a
 decode layer is: norm, QKV GEMM, rope_store, attention, O GEMM, norm, gate_up GEMM, act_and_mul, down GEMM.
+A blended step's check layers choose its rows; the residual stream after them (`LayerState`) is all the later
+layers need, so the runner can replay those as a CUDA graph (`forward`'s `tail`).
 
 Deterministic mode (`deterministic=True`): every op on a token's path gives that token the same bits whatever its
 batch-mates, chunk boundaries or page size, and whether prefill, decode or a recompute computes it. The GEMMs take
