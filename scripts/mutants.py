@@ -150,7 +150,7 @@ MUTANTS = [
            "tl.minimum(t_end, (split + 2) * SPLIT_TILES)",
            "a split-context prefill program reads on into the next split's keys, which are then counted twice"),
     Mutant("prefill_split_arrivals_not_reset", "chunkwise/kernels/paged_attention.py",
-           "                tl.store(arrival, 0)  # every split of this (block, KV head) is in: ready for the next launch\n",
+           "                    tl.store(arrival, 0)  # every split of this (block, KV head) is in: ready for the next launch\n",
            "",
            "a split-context launch leaves its arrival counts behind, so the next layer's merges never run"),
     Mutant("prefill_split_direct_write_past_one_split", "chunkwise/kernels/paged_attention.py",
