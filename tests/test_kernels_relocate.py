@@ -77,6 +77,38 @@ def test_relocate_kv_equals_its_twin_bitwise_copies_v_and_leaves_other_slots_alo
                                rtol=2 * torch.finfo(dtype).eps)
 
 
+@given(dtype=st.sampled_from(DTYPES), num_layers=st.integers(1, 6), data=st.data(), seed=st.integers(0, 2**16))
+@example(dtype=torch.bfloat16, num_layers=6, data=None, seed=0)
+@settings(max_examples=max(1, settings.default.max_examples // 2))
+def test_relocating_some_layers_of_stacked_caches_in_one_launch_equals_a_launch_per_layer(
+        dtype, num_layers, data, seed, device):
+    """The layered form (caches [layers, ...], `layers` the ones to move, in any order) gives each named layer
+    the one-layer form's bits and leaves the others alone. Pinned: every other layer of six, as Gemma's local
+    and global RoPE configs split them."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = (list(range(0, num_layers, 2)) if data is None
+           else data.draw(st.lists(st.integers(0, num_layers - 1), unique=True, max_size=num_layers)))
+    page_size, kv_heads, head_dim, n = 4, 2, 64, 9
+    num_pages = -(-(2 * n + 3) // page_size)
+    k, v = (torch.randn(num_layers, num_pages, page_size, kv_heads, head_dim, generator=gen).to(dtype).to(device)
+            for _ in range(2))
+    slots = torch.randperm(num_pages * page_size, generator=gen)[:2 * n].to(device)
+    deltas = torch.randint(-3000, 3000, (n,), generator=gen).to(device)
+    inv_freq = ROPES[1].inv_freq(head_dim).to(device)
+    src, dst = slots[:n].clone(), slots[n:].clone()
+    k_out, v_out, k_one, v_one = k.clone(), v.clone(), k.clone(), v.clone()
+
+    layers = torch.tensor(ids, dtype=torch.int64, device=device)
+    relocate_kv(k_out, v_out, src, dst, deltas, inv_freq, layers=layers)
+    for i in ids:
+        relocate_kv(k_one[i], v_one[i], src, dst, deltas, inv_freq)
+    k_ref, v_ref = k.clone(), v.clone()
+    relocate_kv_ref(k_ref, v_ref, src, dst, deltas, inv_freq, layers=layers)
+
+    for out in ((k_out, v_out), (k_ref, v_ref)):
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(out, (k_one, v_one))), ids
+
+
 @given(head_dim=st.sampled_from([2, 64, 128]), rope=st.sampled_from(ROPES), max_pos=st.sampled_from([10, 4096]),
        seed=st.integers(0, 2**16))
 @example(head_dim=128, rope=ROPES[0], max_pos=4096, seed=0)
@@ -123,6 +155,9 @@ def _small():
     (dict(v_cache=torch.zeros(4, 4, 2, 6)), "v_cache torch.float32 \\(4, 4, 2, 6\\)"),
     (dict(k_cache=torch.zeros(4, 4, 2, 7), v_cache=torch.zeros(4, 4, 2, 7), inv_freq=torch.ones(3)),
      "head_dim 7 must be even"),
+    (dict(layers=torch.tensor([0])), "must be equal and contiguous \\[layers, pages"),
+    (dict(k_cache=torch.zeros(2, 4, 4, 2, 8), v_cache=torch.zeros(2, 4, 4, 2, 8), layers=torch.tensor([0.0])),
+     "layers must be int64"),
 ])
 def test_relocate_kv_rejects_bad_arguments_naming_them(change, match):
     for fn in (relocate_kv, relocate_kv_ref):

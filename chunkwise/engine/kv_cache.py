@@ -59,6 +59,15 @@ def pool_size(config: EngineConfig, kv_heads: int, device: torch.device) -> int:
     return num_pages
 
 
+class LayerCaches(list):
+    """Each layer's (k_cache, v_cache) [pages, page_size, kv_heads, head_dim], views of `k` and `v` [layers, pages,
+    page_size, kv_heads, head_dim], so that a kernel can reach every layer in one launch (`relocate_kv`)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        super().__init__(zip(k, v))
+        self.k, self.v = k, v
+
+
 class KVCache:
     """The pool's pages on the device, `layers[i]` = (k_cache, v_cache) of layer i, zeroed."""
 
@@ -68,9 +77,9 @@ class KVCache:
             config.page_size, kv_heads, cfg.head_dim, device, tp)
         num_pages = pool_size(config, kv_heads, device)
         self.num_pages = num_pages if tp is None else tp.min(num_pages)
-        shape = (self.num_pages, self.page_size, kv_heads, cfg.head_dim)
-        self.layers = [(torch.zeros(shape, dtype=config.dtype, device=device),
-                        torch.zeros(shape, dtype=config.dtype, device=device)) for _ in range(cfg.num_layers)]
+        shape = (cfg.num_layers, self.num_pages, self.page_size, kv_heads, cfg.head_dim)
+        self.layers = LayerCaches(torch.zeros(shape, dtype=config.dtype, device=device),
+                                  torch.zeros(shape, dtype=config.dtype, device=device))
 
     def slots(self, page_table: list[int], num_tokens: int) -> np.ndarray:
         """int64 [num_tokens]: the cache slots of a sequence's first tokens, from its page table."""
@@ -90,4 +99,4 @@ class KVCache:
 
     def close(self) -> None:
         """Frees the cache's tensors."""
-        self.layers = []
+        self.layers = LayerCaches(torch.zeros(0), torch.zeros(0))

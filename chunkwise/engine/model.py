@@ -38,6 +38,7 @@ from chunkwise.kernels import (CascadeGroups, act_and_mul, add_rms_norm, cascade
 from chunkwise.kernels.paged_attention import paged_split_workspace
 from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE, SplitWorkspace, num_splits_for, split_workspace
 from chunkwise.engine.blend import BlendInputs, select_rows
+from chunkwise.engine.kv_cache import LayerCaches
 from chunkwise.engine.parallel.tensor_parallel import TensorParallel
 from chunkwise.kernels.relocate import relocate_kv
 
@@ -123,6 +124,8 @@ class Model:
         distinct = list(dict.fromkeys(ropes))
         self.rope_index = [distinct.index(r) for r in ropes]
         self.inv_freqs = [r.inv_freq(cfg.head_dim).to(self.embed.device) for r in distinct]
+        self.rope_layers = [torch.tensor([i for i, x in enumerate(self.rope_index) if x == r], dtype=torch.int64,
+                                         device=self.embed.device) for r in range(len(distinct))]
         self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=self.embed.dtype)
                             if cfg.embed_scale is not None else None)
 
@@ -161,7 +164,7 @@ class Model:
             self.tp.all_reduce(h)
         return add_rms_norm(h, residual, weight, eps, plus_one, pre_weight=pre_weight)
 
-    def forward(self, inp: StepInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def forward(self, inp: StepInputs, kv_caches: LayerCaches,
                 tail: Callable[[LayerState], torch.Tensor | None] | None = None) -> torch.Tensor:
         """Logits [N, vocab] for the rows `inp.logits_indices` (the model's dtype; float32 when soft-capped), after
         writing every layer's K/V; under tensor parallelism, this rank's [N, P] slice of them (soft-capped alike).
@@ -182,7 +185,7 @@ class Model:
                     return logits
         return self.tail(state, kv_caches)
 
-    def tail(self, state: LayerState, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def tail(self, state: LayerState, kv_caches: LayerCaches) -> torch.Tensor:
         """The logits after running the layers from `state.layer` on (no check layer among them)."""
         state = self._layers(state, kv_caches, len(self.layers))
         x, _ = self._add_norm(state.h, state.residual, self.final_norm, self._pending(state.layer))
@@ -199,7 +202,7 @@ class Model:
         """Gemma's post-FF norm of the layer before `layer`, applied inside the next norm's kernel."""
         return self.layers[layer - 1]["post_ff_norm"] if self.cfg.sandwich_norms and layer > 0 else None
 
-    def _layers(self, state: LayerState, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], stop: int,
+    def _layers(self, state: LayerState, kv_caches: LayerCaches, stop: int,
                 blend: BlendInputs | None = None) -> LayerState:
         """Runs layers state.layer..stop-1. With `blend` (from layer 0), its check layers select the rows that go
         on, and its `kept` becomes the rows (layer-0 layout) left after `stop`."""
@@ -227,7 +230,8 @@ class Model:
             q = self._qkv_store(lw, x, inp, kv_caches[i], rope[self.rope_index[i]])
             if check is not None:   # keep the rows that go on: fixed ones and the most deviating candidates
                 fresh = self._kv_rows(kv_caches[i], inp.slot_mapping)
-                deviation = sum(((f.float() - p.float()) ** 2).sum((1, 2)) for f, p in zip(fresh, placed))
+                (fk, fv), (pk, pv) = fresh, placed   # p promotes to float32 exactly: one launch fewer each
+                deviation = (fk.float() - pk).square().sum((1, 2)) + (fv.float() - pv).square().sum((1, 2))
                 keep = select_rows(check, deviation, candidate)
                 q, residual, candidate, kept = q[keep], residual[keep], candidate[keep], kept[keep]
                 rope = [(cos[keep], sin[keep]) for cos, sin in rope]
@@ -301,14 +305,12 @@ class Model:
             split_kv_decode(*args, self.cfg.attn_scale, sliding_window=window, split_size=self.split_size,
                             out=out, workspace=workspace)
 
-    def _place(self, blend: BlendInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Every layer's stored chunk K/V to the candidates' slots, K re-rotated by its layer's RoPE (the angles'
-        cos/sin made once per distinct RoPE config, not per layer)."""
-        angles = [rope_cos_sin(blend.deltas, inv_freq) for inv_freq in self.inv_freqs]
-        for i, (k_cache, v_cache) in enumerate(kv_caches):
-            r = self.rope_index[i]
-            relocate_kv(k_cache, v_cache, blend.src_slots, blend.dst_slots, blend.deltas, self.inv_freqs[r],
-                        cos_sin=angles[r])
+    def _place(self, blend: BlendInputs, kv_caches: LayerCaches) -> None:
+        """Every layer's stored chunk K/V to the candidates' slots, K re-rotated by its layer's RoPE: one launch per
+        distinct RoPE config (e.g. Gemma's local and global), over the layers that share it."""
+        for r, inv_freq in enumerate(self.inv_freqs):
+            relocate_kv(kv_caches.k, kv_caches.v, blend.src_slots, blend.dst_slots, blend.deltas, inv_freq,
+                        cos_sin=rope_cos_sin(blend.deltas, inv_freq), layers=self.rope_layers[r])
 
     @staticmethod
     def _kv_rows(kv, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

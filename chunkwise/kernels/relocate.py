@@ -1,7 +1,9 @@
 """Moving cached K/V to other positions (blend mode's placed K/V): copy slot to slot, re-rotating K.
 
-Layouts (one layer's cache):
+Layouts (one layer's cache, or with `layers` every layer's, moved in one launch):
     k_cache, v_cache:  [num_pages, page_size, num_kv_heads, head_dim] contiguous; slot = page_id * page_size + offset
+                       or [num_layers, num_pages, page_size, num_kv_heads, head_dim] with layers given
+    layers:            int64 [m], the layers to move (those sharing one RoPE config), or None
     src_slots:         int64 [n], where each K/V is read
     dst_slots:         int64 [n], where it is written; disjoint from src_slots (the copies then need no order)
     deltas:            int64 [n], how many positions each moves (K at position p goes to p + deltas[i])
@@ -20,13 +22,18 @@ from chunkwise.kernels.rope_store import rope_cos_sin
 from chunkwise.kernels.tiling import block_rows, cast, cdiv, check_float, next_power_of_2, num_warps_for
 
 
-def _check(k_cache, v_cache, src_slots, dst_slots, deltas, inv_freq):
+def _check(k_cache, v_cache, src_slots, dst_slots, deltas, inv_freq, layers=None):
     check_float("k_cache", k_cache)
-    if (k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype
+    dims, what = (4, "[pages, page_size, kv_heads, head_dim]") if layers is None else \
+        (5, "[layers, pages, page_size, kv_heads, head_dim] (layers given)")
+    if (k_cache.dim() != dims or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         raise ValueError(f"k_cache {k_cache.dtype} {tuple(k_cache.shape)} and v_cache {v_cache.dtype} "
-                         f"{tuple(v_cache.shape)} must be equal and contiguous [pages, page_size, kv_heads, head_dim]")
-    head_dim = k_cache.shape[3]
+                         f"{tuple(v_cache.shape)} must be equal and contiguous {what}")
+    if layers is not None and (layers.dtype != torch.int64 or layers.dim() != 1 or layers.device != k_cache.device):
+        raise ValueError(f"layers must be int64 [m] on {k_cache.device}, got {layers.dtype} {tuple(layers.shape)} "
+                         f"on {layers.device}")
+    head_dim = k_cache.shape[-1]
     if head_dim % 2:
         raise ValueError(f"head_dim {head_dim} must be even for half-split RoPE")
     n = src_slots.shape[0] if src_slots.dim() == 1 else -1
@@ -43,10 +50,17 @@ def _check(k_cache, v_cache, src_slots, dst_slots, deltas, inv_freq):
             raise ValueError(f"{name} is on {t.device}, k_cache on {k_cache.device}")
 
 
-def relocate_kv_ref(k_cache, v_cache, src_slots, dst_slots, deltas, inv_freq):
+def relocate_kv_ref(k_cache, v_cache, src_slots, dst_slots, deltas, inv_freq, layers=None):
     """PyTorch twin of `relocate_kv`; unlike the kernel (which reads nothing back to the host) it also checks the
-    slots' values: inside the cache, and src and dst disjoint."""
-    _check(k_cache, v_cache, src_slots, dst_slots, deltas, inv_freq)
+    slots' and layers' values: inside the cache, and src and dst disjoint."""
+    _check(k_cache, v_cache, src_slots, dst_slots, deltas, inv_freq, layers)
+    if layers is not None:
+        ids = layers.tolist()
+        if any(not 0 <= i < k_cache.shape[0] for i in ids):
+            raise ValueError(f"layers must lie in [0, {k_cache.shape[0]}), got {ids}")
+        for i in ids:
+            relocate_kv_ref(k_cache[i], v_cache[i], src_slots, dst_slots, deltas, inv_freq)
+        return
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     for name, slots in (("src_slots", src_slots), ("dst_slots", dst_slots)):
         if slots.numel() and (slots.min() < 0 or slots.max() >= num_slots):
@@ -71,10 +85,16 @@ def _relocate_kernel(
     dst_ptr,        # int64 [n]
     cos_ptr,        # float32 [n, HALF] contiguous
     sin_ptr,        # float32 [n, HALF] contiguous
+    layers_ptr,     # int64 [m]: program_id(1)'s layer, if LAYERED (None otherwise)
+    layer_stride,   # elements from one layer's cache to the next, if LAYERED
     n, num_kv_heads,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-    BLOCK_I: tl.constexpr, HEADS_PAD: tl.constexpr,
+    BLOCK_I: tl.constexpr, HEADS_PAD: tl.constexpr, LAYERED: tl.constexpr,
 ):
+    if LAYERED:
+        base = tl.load(layers_ptr + tl.program_id(1)) * layer_stride   # int64: a cache may pass 2**31 elements
+        k_cache_ptr += base
+        v_cache_ptr += base
     # Rows = (item, kv head) pairs of BLOCK_I items, columns = the first half of head_dim; the second half is
     # the same tile shifted by HALF. K and V rows share the addresses (the caches have one layout).
     r = tl.arange(0, BLOCK_I * HEADS_PAD)[:, None]
@@ -102,24 +122,27 @@ def _relocate_kernel(
     tl.store(v_cache_ptr + dst_off + HALF, tl.load(v_cache_ptr + src_off + HALF, mask=ok), mask=ok)
 
 
-def relocate_kv(k_cache, v_cache, src_slots, dst_slots, deltas, inv_freq, cos_sin=None):
+def relocate_kv(k_cache, v_cache, src_slots, dst_slots, deltas, inv_freq, cos_sin=None, layers=None):
     """For each i: K[dst_slots[i]] = K[src_slots[i]] rotated by deltas[i] * inv_freq, V[dst_slots[i]] =
-    V[src_slots[i]], in one kernel launch (after the float32 cos/sin of the angles). The slots' values are
-    the caller's to keep inside the cache and disjoint (checking them would read them back to the host).
-    `cos_sin`: `rope_cos_sin(deltas, inv_freq)` when the caller already has it (every layer sharing a RoPE config
-    moves the same deltas)."""
-    _check(k_cache, v_cache, src_slots, dst_slots, deltas, inv_freq)
+    V[src_slots[i]], in one kernel launch (after the float32 cos/sin of the angles), in one layer's cache or, with
+    `layers`, in each of those layers of stacked caches (a launch each would cost more host time than the copies
+    take). The slots' and layers' values are the caller's to keep inside the cache and the slots disjoint
+    (checking them would read them back to the host). `cos_sin`: `rope_cos_sin(deltas, inv_freq)` when the caller
+    already has it (every layer sharing a RoPE config moves the same deltas)."""
+    _check(k_cache, v_cache, src_slots, dst_slots, deltas, inv_freq, layers)
     n = src_slots.shape[0]
-    if n == 0:
+    if n == 0 or (layers is not None and layers.shape[0] == 0):
         return
-    num_kv_heads, head_dim = k_cache.shape[2:]
+    num_kv_heads, head_dim = k_cache.shape[-2:]
     half = head_dim // 2
     half_pad = next_power_of_2(half)
     heads_pad = next_power_of_2(num_kv_heads)
     cos, sin = rope_cos_sin(deltas, inv_freq) if cos_sin is None else cos_sin
     block_i = block_rows(heads_pad * 2 * half_pad, k_cache.device)
-    _relocate_kernel[(cdiv(n, block_i),)](
-        k_cache, v_cache, src_slots, dst_slots, cos, sin, n, num_kv_heads,
+    _relocate_kernel[(cdiv(n, block_i), 1 if layers is None else layers.shape[0])](
+        k_cache, v_cache, src_slots, dst_slots, cos, sin, layers, k_cache.stride(0) if layers is not None else 0,
+        n, num_kv_heads,
         HEAD_DIM=head_dim, HALF=half, HALF_PAD=half_pad, BLOCK_I=block_i, HEADS_PAD=heads_pad,
+        LAYERED=layers is not None,
         num_warps=num_warps_for(block_i * heads_pad * half_pad), enable_fp_fusion=False,
     )
