@@ -100,6 +100,7 @@ SMOKE = (
     "tests/test_blend.py::test_blended_kv_and_tokens_equal_the_reference_engines_blend",
     "tests/test_blend.py::test_a_blended_requests_pages_never_serve_an_exact_request",
     "tests/test_blend.py::test_blended_prefills_join_overlapped_decodes_and_every_request_gets_its_own_tokens",
+    "tests/test_step_graphs.py::test_blended_steps_tails_over_the_static_inputs_give_the_eager_tails_bits_in_deterministic_mode",
     "tests/test_scheduler.py::test_every_request_produces_what_it_produces_alone",
     "tests/test_kernels_fused.py::test_rms_norm_matches_reference_with_and_without_residual",
     "tests/test_kernels_fused.py::test_rope_store_matches_reference_and_skips_padding_slots",
