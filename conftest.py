@@ -45,7 +45,8 @@ def _is_benchmark(config, item) -> bool:
 # The smoke tier: the tests that kill the most realistic bugs soonest (every limit, streamed text, the pool and
 # scheduler, every kernel in every dtype, parity's pinned edges, overlap, deterministic mode, cascade), cheapest
 # first. They run first in any selection, so under -x most bugs fail in the first minute (their pinned examples
-# take about 65 s on one core); `-m smoke` runs them alone, as scripts/mutants.py --smoke-only does.
+# take about 65 s on one core, and a minute more for the blend tail graphs' staging test); `-m smoke` runs them
+# alone, as scripts/mutants.py --smoke-only does.
 SMOKE = (
     # blend mode's two planted bugs die here in seconds: a wrong re-rotation, rows attending past their position
     "tests/test_kernels_relocate.py::test_relocating_a_rotated_key_by_delta_rotates_it_to_its_new_position",
