@@ -81,7 +81,8 @@ def test_ttft_of_a_composed_request(benchmark, setup, ceilings, ckpt):
     # of the tail graphs (chunkwise/engine/cuda_graphs.py).
     runs = [(name, mode, tail_rows) for name, mode in MODES.items()]
     runs += [(f"{name}, eager tail", mode, 0) for name, mode in MODES.items() if isinstance(mode, Blend)]
-    for name, mode, graphs.tail_rows in runs:
+    for name, mode, rows in runs:
+        graphs.tail_rows = rows
         prompt, reuse_mode = as_mode(composed(docs, rng, TTFT_DOCS, vocab), mode)
         eng.generate([prompt], one, reuse=reuse_mode, use_tqdm=False)   # warm-up: every specialisation
         times, reuse = [], None

@@ -103,6 +103,30 @@ def test_every_tail_bucket_holds_its_rows_with_bounded_padding():
     assert len({tail_bucket(n) for n in range(1, 8193)}) == 2 + 8 + 30   # 16, 32, 64..512 by 64, then by 256
 
 
+def test_a_tail_graph_holds_a_blend_of_up_to_its_rows_and_prefills_and_no_decodes_or_layers_past_the_last():
+    """tail_key at its limits: tail_rows rows run and one more is refused, PREFILL_SEQS prefills run and one more
+    is refused, a decode beside them is refused, and a state past the last layer has no tail to run."""
+    from types import SimpleNamespace
+
+    from chunkwise.engine.model import LayerState, StepInputs
+
+    graphs = graphs_for(512, 4, 512)
+    graphs.model, graphs.tail_rows = SimpleNamespace(layers=[None] * 6), 100
+
+    def state(rows, prefills=1, decodes=0, layer=4):
+        z = torch.zeros
+        inp = StepInputs(z(rows), z(rows), z(rows), z(prefills, 4), z(prefills), z(prefills + 1), z(decodes, 4),
+                         z(decodes), z(prefills), explicit_positions=True)
+        return LayerState(layer, z(rows, 8), z(rows, 8), inp)
+
+    assert graphs.tail_key(state(100)) == (4, tail_bucket(100)) and graphs.tail_key(state(101)) is None
+    assert graphs.tail_key(state(40, PREFILL_SEQS)) == (4, 64) and graphs.tail_key(state(40, PREFILL_SEQS + 1)) is None
+    assert graphs.tail_key(state(41, decodes=1)) is None
+    assert graphs.tail_key(state(40, layer=5)) == (5, 64) and graphs.tail_key(state(40, layer=6)) is None
+    graphs.tail_rows = 0   # graphs off
+    assert graphs.tail_key(state(40)) is None
+
+
 BLENDS = [Blend(0.3), Blend(1.0), Blend(0.0), Blend(0.25, "chunk-heads")]
 
 

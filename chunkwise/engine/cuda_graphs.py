@@ -38,7 +38,6 @@ import numpy as np
 import torch
 
 from chunkwise.kernels.cascade import CascadeGroups
-from chunkwise.engine.blend import BlendInputs
 from chunkwise.engine.host_step import ALIGN, HostStep, fill_pending
 from chunkwise.engine.kv_cache import KVCache
 from chunkwise.engine.model import LayerState, Model, StepInputs
@@ -345,15 +344,12 @@ class StepGraphs:
         hidden, dtype = self.model.embed.shape[1], self.model.embed.dtype
         int64 = dict(dtype=torch.int64, device=dev)
         int32 = dict(dtype=torch.int32, device=dev)
-        empty = torch.zeros(0, **int64)
         inp = StepInputs(
             input_ids=torch.zeros(rows, **int64), positions=torch.zeros(rows, **int64),
             slot_mapping=torch.full((rows,), -1, **int64), page_tables=torch.zeros(p, width, **int32),
             seq_lens=torch.ones(p, **int32), query_start_loc=torch.zeros(p + 1, **int32),
             decode_page_tables=torch.zeros(0, width, **int32), decode_seq_lens=torch.zeros(0, **int32),
-            logits_indices=torch.zeros(p, **int64),
-            # No K/V to place and no check layer: it marks the rows' positions as explicit, as in a blend.
-            blend=BlendInputs(empty, empty, empty, empty.bool(), {}))
+            logits_indices=torch.zeros(p, **int64), explicit_positions=True)
         h = torch.zeros(rows, hidden, dtype=dtype, device=dev)
         return LayerState(layer, h, torch.zeros_like(h) if layer else None, inp)   # no residual before layer 0
 

@@ -57,6 +57,7 @@ class StepInputs:
     logits_indices: torch.Tensor     # int64 [N], rows whose logits are sampled (each one's last new token)
     cascade: CascadeGroups | None = None   # decodes' shared splits, read once per group (None: none shared)
     blend: BlendInputs | None = None       # blended prefills (chunkwise/engine/blend.py): rows above are layer 0's
+    explicit_positions: bool = False       # prefill rows sit at `positions`, not at their sequences' ends (a blend's)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -178,7 +179,10 @@ class Model:
         blend = inp.blend
         if blend is not None:
             self._place(blend, kv_caches)
-            state = self._layers(state, kv_caches, max(blend.checks, default=-1) + 1, blend)
+            if blend.checks:
+                state = self._layers(state, kv_caches, max(blend.checks) + 1, blend)
+            else:   # every row goes on through every layer
+                blend.kept = torch.arange(h.shape[0], device=h.device)
             if tail is not None and state.layer < len(self.layers):
                 logits = tail(state)
                 if logits is not None:
@@ -275,7 +279,7 @@ class Model:
         selection changes the rows' count per layer), and deterministic mode (where a token's bits must not depend
         on the step that computes it). A blend's rows after its check layers split up to BLEND_SPLIT_ROWS."""
         p = inp.num_prefill_tokens
-        cap = PREFILL_SPLIT_ROWS if inp.blend is None else BLEND_SPLIT_ROWS
+        cap = BLEND_SPLIT_ROWS if inp.explicit_positions else PREFILL_SPLIT_ROWS
         if self.deterministic or selecting or not 0 < p <= cap:
             return None
         return paged_split_workspace(p, self._heads()[0], self.embed.dtype, k_cache, inp.page_tables,
@@ -308,9 +312,9 @@ class Model:
     def _place(self, blend: BlendInputs, kv_caches: LayerCaches) -> None:
         """Every layer's stored chunk K/V to the candidates' slots, K re-rotated by its layer's RoPE: one launch per
         distinct RoPE config (e.g. Gemma's local and global), over the layers that share it."""
-        for r, inv_freq in enumerate(self.inv_freqs):
+        for inv_freq, layers in zip(self.inv_freqs, self.rope_layers):
             relocate_kv(kv_caches.k, kv_caches.v, blend.src_slots, blend.dst_slots, blend.deltas, inv_freq,
-                        cos_sin=rope_cos_sin(blend.deltas, inv_freq), layers=self.rope_layers[r])
+                        layers=layers)
 
     @staticmethod
     def _kv_rows(kv, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -345,7 +349,7 @@ class Model:
             paged_attention(q[:p], k_cache, v_cache, inp.page_tables, inp.seq_lens, inp.query_start_loc,
                             cfg.attn_scale, sliding_window=window, out=out[:p],
                             max_rows=PREFILL_SPLIT_TILE_ROWS if split else self.attention_rows,
-                            positions=inp.positions[:p] if inp.blend is not None else None,
+                            positions=inp.positions[:p] if inp.explicit_positions else None,
                             split_size=PREFILL_SPLIT_SIZE if split else None, workspace=prefill_workspace)
         if side is not None:
             torch.cuda.current_stream(q.device).wait_stream(side)

@@ -172,7 +172,8 @@ class ModelRunner:
                           query_start_loc=qsl, decode_page_tables=self.tables.table.index_select(0, drows),
                           decode_seq_lens=dlens, logits_indices=logits,
                           cascade=groups.on(*group_tensors) if groups is not None else None,
-                          blend=self._upload_blend(host) if host.blend is not None else None)
+                          blend=self._upload_blend(host) if host.blend is not None else None,
+                          explicit_positions=host.blend is not None)
 
     def _upload_blend(self, host: HostStep) -> BlendInputs:
         b = host.blend
@@ -284,6 +285,7 @@ class ModelRunner:
                     slots = torch.arange(len(inp.input_ids), device=self.device)
                     inp.blend = BlendInputs(slots, slots, torch.zeros_like(slots), torch.zeros_like(slots, dtype=bool),
                                             {})
+                    inp.explicit_positions = True
                     self.model.forward(inp, self.kv.layers)
         torch.cuda.synchronize(self.device)
 

@@ -122,13 +122,12 @@ def _relocate_kernel(
     tl.store(v_cache_ptr + dst_off + HALF, tl.load(v_cache_ptr + src_off + HALF, mask=ok), mask=ok)
 
 
-def relocate_kv(k_cache, v_cache, src_slots, dst_slots, deltas, inv_freq, cos_sin=None, layers=None):
+def relocate_kv(k_cache, v_cache, src_slots, dst_slots, deltas, inv_freq, layers=None):
     """For each i: K[dst_slots[i]] = K[src_slots[i]] rotated by deltas[i] * inv_freq, V[dst_slots[i]] =
     V[src_slots[i]], in one kernel launch (after the float32 cos/sin of the angles), in one layer's cache or, with
     `layers`, in each of those layers of stacked caches (a launch each would cost more host time than the copies
     take). The slots' and layers' values are the caller's to keep inside the cache and the slots disjoint
-    (checking them would read them back to the host). `cos_sin`: `rope_cos_sin(deltas, inv_freq)` when the caller
-    already has it (every layer sharing a RoPE config moves the same deltas)."""
+    (checking them would read them back to the host)."""
     _check(k_cache, v_cache, src_slots, dst_slots, deltas, inv_freq, layers)
     n = src_slots.shape[0]
     if n == 0 or (layers is not None and layers.shape[0] == 0):
@@ -137,7 +136,7 @@ def relocate_kv(k_cache, v_cache, src_slots, dst_slots, deltas, inv_freq, cos_si
     half = head_dim // 2
     half_pad = next_power_of_2(half)
     heads_pad = next_power_of_2(num_kv_heads)
-    cos, sin = rope_cos_sin(deltas, inv_freq) if cos_sin is None else cos_sin
+    cos, sin = rope_cos_sin(deltas, inv_freq)
     block_i = block_rows(heads_pad * 2 * half_pad, k_cache.device)
     _relocate_kernel[(cdiv(n, block_i), 1 if layers is None else layers.shape[0])](
         k_cache, v_cache, src_slots, dst_slots, cos, sin, layers, k_cache.stride(0) if layers is not None else 0,
