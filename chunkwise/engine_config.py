@@ -27,7 +27,8 @@ DEVICE_TYPES = ("cpu", "cuda")
 CPU_SPLIT_KV_THRESHOLD = 256
 
 # Fields that only the optimized engine's paging, batching and kernels use.
-REFERENCE_IGNORED = ("page_size", "num_pages", "gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs",
+REFERENCE_IGNORED = ("page_size", "num_pages", "gpu_memory_utilization", "max_num_batched_tokens",
+                     "max_prefill_tokens_with_decodes", "max_num_seqs",
                      "enable_prefix_caching", "enforce_eager", "split_kv_threshold", "split_size", "cascade_attention",
                      "deterministic", "tensor_parallel_size", "custom_all_reduce", "async_scheduling",
                      "max_pinned_fraction", "max_graph_tokens")
@@ -50,6 +51,9 @@ class EngineConfig:
     num_pages: int | None = None             # KV pages in the pool; None: sized from memory
     gpu_memory_utilization: float = 0.9      # share of GPU memory the engine may fill (GPU only)
     max_num_batched_tokens: int = 512        # tokens computed per step
+    max_prefill_tokens_with_decodes: int | None = None   # prefill tokens a step that also decodes may compute
+                                             # (every decoding user waits for it: a smaller step, a shorter
+                                             # inter-token gap); None: max_num_batched_tokens
     max_num_seqs: int = 64                   # running sequences per step
     enable_prefix_caching: bool = True
     max_pinned_fraction: float = 0.5         # share of the pool that pinned chunks (register_chunk(pin=True)) may hold
@@ -90,6 +94,8 @@ class EngineConfig:
             _positive_int("num_pages", self.num_pages)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("max_num_seqs", self.max_num_seqs)
+        if self.max_prefill_tokens_with_decodes is not None:
+            _positive_int("max_prefill_tokens_with_decodes", self.max_prefill_tokens_with_decodes)
         _positive_int("max_graph_tokens", self.max_graph_tokens, low=0)
         if self.split_kv_threshold is not None:
             _positive_int("split_kv_threshold", self.split_kv_threshold, low=0)

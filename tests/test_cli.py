@@ -258,12 +258,16 @@ def served(monkeypatch):
     return run
 
 
-def test_serve_passes_only_the_engine_options_given_and_the_server_options(served):
+def test_serve_passes_only_the_engine_options_given_its_serving_defaults_and_the_server_options(served):
+    serving = {"max_prefill_tokens_with_decodes": 256}
     got = served("--model", "tiny-qwen3")
-    assert got["engine"] == ("tiny-qwen3", {}) and got["closed"] and got["process"] and "thread" not in got
+    assert got["engine"] == ("tiny-qwen3", serving) and got["closed"] and got["process"] and "thread" not in got
     got = served("--model", "tiny-qwen3", "--no-engine-process", "--page-size", "8")
-    assert got["engine"] == ("tiny-qwen3", {"page_size": 8}) and got["closed"] and got["thread"]
+    assert got["engine"] == ("tiny-qwen3", {**serving, "page_size": 8}) and got["closed"] and got["thread"]
     assert "process" not in got
+    for text, value in (("none", None), ("None", None), ("64", 64)):
+        got = served("--model", "tiny-qwen3", "--max-prefill-tokens-with-decodes", text)
+        assert got["engine"][1] == {"max_prefill_tokens_with_decodes": value}
     assert got["server"] == ("tiny-qwen3", "127.0.0.1", 8000, 1024, 20, "info")
     got = served("--model", "tiny-qwen3", "--served-model-name", "m", "--host", "0.0.0.0", "--port", "0",
                  "--max-waiting", "3", "--max-logprobs", "5", "--log-level", "warning")
@@ -274,7 +278,8 @@ def test_serve_passes_every_engine_option_under_its_engine_config_name(served):
     from chunkwise.serve.cli import ENGINE_OPTIONS
 
     argv = ["--dtype", "bfloat16", "--device", "cpu", "--page-size", "8", "--max-model-len", "64", "--num-pages", "9",
-            "--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--tensor-parallel-size", "2",
+            "--max-num-batched-tokens", "32", "--max-prefill-tokens-with-decodes", "16", "--max-num-seqs", "4",
+            "--tensor-parallel-size", "2",
             "--split-kv-threshold", "0", "--split-size", "128", "--max-graph-tokens", "64",
             "--gpu-memory-utilization", "0.5",
             "--no-enable-prefix-caching", "--enforce-eager", "--no-cascade-attention", "--deterministic",
@@ -282,7 +287,8 @@ def test_serve_passes_every_engine_option_under_its_engine_config_name(served):
     model, kw = served("--model", "tiny-llama", *argv)["engine"]
     assert model == "tiny-llama" and kw == {
         "dtype": "bfloat16", "device": "cpu", "page_size": 8, "max_model_len": 64, "num_pages": 9,
-        "max_num_batched_tokens": 32, "max_num_seqs": 4, "tensor_parallel_size": 2, "split_kv_threshold": 0,
+        "max_num_batched_tokens": 32, "max_prefill_tokens_with_decodes": 16, "max_num_seqs": 4,
+        "tensor_parallel_size": 2, "split_kv_threshold": 0,
         "split_size": 128, "max_graph_tokens": 64, "gpu_memory_utilization": 0.5, "enable_prefix_caching": False,
         "enforce_eager": True,
         "cascade_attention": False, "deterministic": True, "async_scheduling": True, "custom_all_reduce": False}
@@ -293,3 +299,9 @@ def test_serve_without_model_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["serve"])
     assert exit_.value.code == 2 and "--model" in capsys.readouterr().err
+
+
+def test_serve_with_a_prefill_cap_that_is_not_a_number_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--model", "tiny-qwen3", "--max-prefill-tokens-with-decodes", "lots"])
+    assert exit_.value.code == 2 and "expected an integer or none, got 'lots'" in capsys.readouterr().err

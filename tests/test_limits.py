@@ -120,6 +120,7 @@ def test_logprobs_up_to_the_vocabulary_size_are_served_and_one_more_refused(ckpt
 
 @pytest.mark.parametrize("field, low", [
     ("page_size", 1), ("num_pages", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
+    ("max_prefill_tokens_with_decodes", 1),
     ("split_kv_threshold", 0), ("split_size", 64)])
 def test_each_engine_argument_at_its_lower_bound_serves_and_one_below_is_refused(ckpt, ref, field, low):
     """At the bound the engine serves a request its size allows (one page of one token holds a 1-token prompt

@@ -83,6 +83,7 @@ class Workload:
     spare_pages: int | None        # None: an ample pool; else the largest request's pages + this many
     split_kv_threshold: int | None = None   # decodes of longer sequences take split-KV (None: engine default)
     split_size: int | None = None           # split-KV split length (None: engine default)
+    prefill_cap: int | None = None          # max_prefill_tokens_with_decodes
 
     def num_pages(self) -> int:
         most = max(len(p) + m - 1 for p, m in zip(self.prompts, self.max_tokens))
@@ -93,7 +94,7 @@ class Workload:
         return Engine(ckpt, page_size=self.page_size, num_pages=self.num_pages(),
                       max_num_batched_tokens=self.budget, max_num_seqs=self.max_num_seqs,
                       max_model_len=MAX_MODEL_LEN, split_kv_threshold=self.split_kv_threshold,
-                      split_size=self.split_size)
+                      split_size=self.split_size, max_prefill_tokens_with_decodes=self.prefill_cap)
 
 
 def seeded_prompt(length: int, seed: int) -> tuple[int, ...]:
@@ -161,7 +162,8 @@ def workloads(draw) -> Workload:
         arrivals=(0, *(draw(st.integers(0, 4)) for _ in range(n - 1))),
         page_size=page_size, budget=budget, max_num_seqs=draw(st.integers(1, 4)),
         spare_pages=draw(st.one_of(st.none(), st.integers(0, 2))),
-        split_kv_threshold=draw(st.sampled_from([None, 0, 6, 64, 100])), split_size=split_size)
+        split_kv_threshold=draw(st.sampled_from([None, 0, 6, 64, 100])), split_size=split_size,
+        prefill_cap=draw(st.none() | st.integers(1, budget)))
 
 
 class CachedPrefixes:
@@ -230,9 +232,9 @@ EDGE = Workload(  # a 1-token chunk, a chunk ending on a page boundary, a shared
     prompts=((11, 12, 13, 14, 15, 16, 17, 18, 19), (11, 12, 13, 14, 50, 51)), chunks=((1, 3, 4, 1), None),
     max_tokens=(4, 3), arrivals=(0, 3), page_size=4, budget=16, max_num_seqs=2, spare_pages=None,
     split_kv_threshold=0)
-TIGHT = Workload(  # page size 1 in a pool that forces preemption
+TIGHT = Workload(  # page size 1 in a pool that forces preemption; 3 prefill tokens beside a decode
     prompts=((7, 8, 9, 10, 11), (7, 8, 9, 30), (40, 41, 42)), chunks=((2, 3), (1, 1, 2), None),
-    max_tokens=(5, 4, 3), arrivals=(0, 0, 1), page_size=1, budget=8, max_num_seqs=3, spare_pages=1)
+    max_tokens=(5, 4, 3), arrivals=(0, 0, 1), page_size=1, budget=8, max_num_seqs=3, spare_pages=1, prefill_cap=3)
 # 200 tokens, chunks ending on KV-tile, split and page boundaries (64, 128), then decodes over four 64-token
 # splits, the last one partly filled.
 LONG = Workload(

@@ -68,6 +68,7 @@ class Driver:
     def step(self) -> tuple[ScheduledBatch, list[Sequence]]:
         sched, cfg = self.sched, self.sched.engine_config
         assert sched.has_unfinished()
+        was_running = {s.seq_id for s in sched.running}
         batch = sched.schedule()
         self.steps += 1
         prev, self.in_flight = self.in_flight, None
@@ -81,6 +82,12 @@ class Driver:
             assert seq.follows_chunk_sizes() and n == seq.next_chunk_end() - seq.num_computed_tokens, \
                 f"over budget: {batch.num_new_tokens} > {cfg.max_num_batched_tokens} without a caller chunk"
             self.oversized += 1
+        cap = cfg.max_prefill_tokens_with_decodes
+        decodes = [s for s in batch.seqs if s.seq_id in was_running and s.num_uncomputed_tokens == 1]
+        split = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens)
+                    if s not in decodes and not s.follows_chunk_sizes())
+        if decodes and cap is not None:
+            assert split <= cap, f"a step that decodes computed {split} prefill tokens, over the cap {cap}"
         for p in batch.preempted:
             assert p.status is SequenceStatus.WAITING and not p.page_table and p.num_computed_tokens == 0
             assert all(p.arrival > r.arrival for r in sched.running), "an older sequence was preempted"
@@ -149,10 +156,11 @@ class Driver:
         assert not self.tables.seq_ids, f"rows never released: {self.tables.seq_ids}"
 
 
-def make(num_pages=64, page_size=4, budget=512, max_seqs=64, eos=()):
+def make(num_pages=64, page_size=4, budget=512, max_seqs=64, eos=(), cap=None):
     bm = PagePool(num_pages, page_size)
-    # The scheduler reads these two fields of the engine's EngineConfig (validated there).
-    limits = SimpleNamespace(max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+    # The scheduler reads these fields of the engine's EngineConfig (validated there).
+    limits = SimpleNamespace(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                             max_prefill_tokens_with_decodes=cap)
     return Scheduler(limits, bm, eos_token_ids=eos)
 
 
@@ -189,20 +197,21 @@ def workloads(draw):
     max_seqs = 4 if pressure else draw(st.integers(1, 4))
     eos = draw(st.sampled_from([(), (3,)]))
     abort = draw(st.none() | st.tuples(st.integers(0, len(requests) - 1), st.integers(0, 8)))
-    return page_size, max_tokens, requests, num_pages, budget, max_seqs, eos, abort
+    cap = draw(st.none() | st.integers(1, 8))
+    return page_size, max_tokens, requests, num_pages, budget, max_seqs, eos, abort, cap
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @settings(max_examples=10 * settings().max_examples)
 @given(workloads())
-@example((1, 3, [([1, 2, 3], [1, 1, 1], 0, False), ([1, 2, 3, 4], None, 1, False)], 6, 2, 2, (), None))
+@example((1, 3, [([1, 2, 3], [1, 1, 1], 0, False), ([1, 2, 3, 4], None, 1, False)], 6, 2, 2, (), None, None))
 @example((4, 2, [([1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 5], 0, False), ([1, 2, 3, 4, 5, 6, 7, 8, 9, 3], [9, 1], 3, True)],
-          3, 3, 2, (3,), None))
+          3, 3, 2, (3,), None, None))
 def test_every_request_produces_what_it_produces_alone(overlap, workload):
-    """Budget, seq cap, caller chunks, preemption, prefix reuse, aborts and overlap scheduling never change a
-    request's output."""
-    page_size, max_tokens, requests, num_pages, budget, max_seqs, eos, abort = workload
-    sched = make(num_pages, page_size, budget, max_seqs, eos)
+    """Budget, the prefill cap of steps that decode, seq cap, caller chunks, preemption, prefix reuse, aborts and
+    overlap scheduling never change a request's output."""
+    page_size, max_tokens, requests, num_pages, budget, max_seqs, eos, abort, cap = workload
+    sched = make(num_pages, page_size, budget, max_seqs, eos, cap)
     driver = Driver(sched, overlap)
     seqs = [Sequence(i, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), chunks)
             for i, (prompt, chunks, _, ignore_eos) in enumerate(requests)]
@@ -351,6 +360,40 @@ def test_a_waiting_caller_chunk_keeps_newcomers_out_so_it_is_not_starved():
     driver.run()
     for s in [a, *decoders, late]:
         assert_alone(s)
+
+
+def test_a_step_that_decodes_computes_at_most_the_cap_of_prefill_tokens_and_one_without_the_whole_budget():
+    sched = make(budget=8, cap=3)
+    a = Sequence(0, [1, 2], SamplingParams(max_tokens=4, ignore_eos=True))
+    b = Sequence(1, list(range(20)), SamplingParams(max_tokens=1))
+    sched.add(a)
+    driver = Driver(sched)
+    driver.step()                                       # a's prompt
+    sched.add(b)
+    steps = [[(s.seq_id, n) for s, n in zip(x.seqs, x.num_new_tokens)] for x in (driver.step()[0] for _ in range(5))]
+    # a decodes for three steps (its 4th token ends it): b gets 3 tokens beside each, then the whole budget.
+    assert steps == [[(0, 1), (1, 3)], [(0, 1), (1, 3)], [(0, 1), (1, 3)], [(1, 8)], [(1, 3)]]
+    driver.run()
+    assert_alone(a) and assert_alone(b)
+
+
+def test_the_prefill_cap_is_shared_by_a_steps_prefills_and_admissions_and_does_not_cut_a_caller_chunk():
+    sched = make(budget=12, cap=4)
+    a = Sequence(0, [1], SamplingParams(max_tokens=6, ignore_eos=True))
+    sched.add(a)
+    driver = Driver(sched)
+    driver.step()
+    sched.add(Sequence(1, list(range(3))))
+    sched.add(Sequence(2, list(range(9))))
+    sched.add(Sequence(3, list(range(6)), chunk_sizes=[6]))
+    steps = [[(s.seq_id, n) for s, n in zip(x.seqs, x.num_new_tokens)] for x in (driver.step()[0] for _ in range(3))]
+    # 1's prompt (3) and 1 token of 2's fill the cap; 3's caller chunk (6) still fits the budget (12 - 5), so it
+    # runs whole. Then 2 takes the cap's 4 beside three decodes, and its last 4 beside four.
+    assert steps == [[(0, 1), (1, 3), (2, 1), (3, 6)], [(0, 1), (1, 1), (3, 1), (2, 4)],
+                     [(0, 1), (1, 1), (3, 1), (2, 4)]]
+    driver.run()
+    for seq in sched.seqs.values():
+        assert_alone(seq)
 
 
 def test_max_num_seqs_caps_the_running_sequences():

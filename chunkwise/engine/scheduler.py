@@ -1,9 +1,12 @@
 """Continuous batching: each step mixes decodes with prefill chunks under a token budget and a page pool.
 
 Order of a step: decodes of running sequences (oldest first), then prefill chunks of running sequences,
-then admissions from the waiting queue (first come, first served). A caller's chunk_sizes are honoured
-exactly: a chunk that does not fit the remaining budget waits for a later step, and a chunk larger than
-the whole budget runs alone in a step of its own. When pages run out, the newest running sequences are
+then admissions from the waiting queue (first come, first served). A step that decodes computes at most
+`max_prefill_tokens_with_decodes` prefill tokens besides: every decoding user waits for the whole step, so its
+prefill work bounds their inter-token gap (a step with no decode takes the full budget, for the first token's
+sake). A caller's chunk_sizes are honoured exactly: a chunk that does not fit the remaining budget waits for a
+later step, and a chunk larger than the whole budget runs alone in a step of its own; a caller's chunk is not
+cut by the decode-step cap either, only by the budget. When pages run out, the newest running sequences are
 preempted: their pages are freed and they recompute (split by the budget) once readmitted.
 A batch also carries its `PageChanges`: the pages its sequences took and the sequences whose pages were freed
 since the last batch (here, or outside `schedule`: finishes in postprocess, aborts, failed steps), which is
@@ -52,16 +55,28 @@ class _Plan:
 
     def __init__(self, budget: int):
         self.budget = budget
+        self.prefill_cap: int | None = None   # prefill tokens this step may still add once it decodes
+        self.capped: dict[int, int] = {}      # seq id -> its tokens counted against prefill_cap
         self.tokens: dict[int, tuple[Sequence, int]] = {}
         self.preempted: list[Sequence] = []
+
+    @property
+    def prefill_budget(self) -> int:
+        """Tokens a prefill split by the budget may take now."""
+        return self.budget if self.prefill_cap is None else min(self.budget, self.prefill_cap)
 
     def add(self, seq: Sequence, n: int) -> None:
         self.tokens[seq.seq_id] = (seq, n)
         self.budget -= n
+        if self.prefill_cap is not None:   # set after the decodes: whatever comes now is prefill
+            self.prefill_cap -= n
+            self.capped[seq.seq_id] = n
 
     def drop(self, seq: Sequence) -> None:
         if seq.seq_id in self.tokens:
             self.budget += self.tokens.pop(seq.seq_id)[1]
+            if seq.seq_id in self.capped:   # a preempted prefill gives its share of the cap back
+                self.prefill_cap += self.capped.pop(seq.seq_id)
 
     def batch(self, pool: PagePool) -> ScheduledBatch:
         """The step; a step that runs something takes the pool's page changes with it."""
@@ -122,6 +137,9 @@ class Scheduler:
                 break
             if seq.status is SequenceStatus.RUNNING:   # not preempted earlier in this loop
                 self._reserve(seq, 1, plan)
+        cap = self.engine_config.max_prefill_tokens_with_decodes
+        if plan.tokens and cap is not None:
+            plan.prefill_cap = cap
         # A running seq whose caller chunk waits for budget keeps newcomers out, or a stream of
         # arrivals turning into decodes could starve it.
         chunk_waits = False
@@ -130,7 +148,7 @@ class Scheduler:
                 break
             if seq.status is SequenceStatus.RUNNING:
                 n = self._chunk(seq, plan)
-                chunk_waits |= n == 0
+                chunk_waits |= n == 0 and seq.follows_chunk_sizes(seq.num_computed_tokens)
                 if n > 0:
                     self._reserve(seq, n, plan)
         if self._alone is None and not chunk_waits:
@@ -156,7 +174,7 @@ class Scheduler:
         """
         computed = seq.num_computed_tokens if computed is None else computed
         if not seq.follows_chunk_sizes(computed):
-            return min(seq.num_tokens - computed, plan.budget)
+            return max(0, min(seq.num_tokens - computed, plan.prefill_budget))
         want = seq.next_chunk_end(computed) - computed
         if want <= plan.budget:
             return want

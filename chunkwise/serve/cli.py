@@ -48,28 +48,54 @@ def parser() -> argparse.ArgumentParser:
 
 
 ENGINE_OPTIONS = ("dtype", "device", "page_size", "max_model_len", "num_pages", "max_num_batched_tokens",
-                  "max_num_seqs", "tensor_parallel_size", "split_kv_threshold", "split_size", "max_graph_tokens",
+                  "max_prefill_tokens_with_decodes", "max_num_seqs", "tensor_parallel_size", "split_kv_threshold",
+                  "split_size", "max_graph_tokens",
                   "gpu_memory_utilization", "enable_prefix_caching", "enforce_eager", "cascade_attention",
                   "deterministic", "async_scheduling", "custom_all_reduce")
 
 
+# Where serving differs from the library's defaults. A step that decodes and prefills makes every decoding user
+# wait for its prefill: with 256 prefill tokens beside them (the full budget, 512, when nothing decodes) a mixed
+# step of the Qwen3-0.6B shape took 1.6x a decode-only step on an H100, against 2.1x with 512 (docs/BENCHMARKS.md,
+# Serving). The library keeps the budget alone, for offline throughput.
+SERVING_DEFAULTS = {"max_prefill_tokens_with_decodes": 256}
+
+
 def add_engine_options(p: argparse.ArgumentParser) -> None:
-    """The engine's arguments as options (ENGINE_OPTIONS), each defaulting to None: the engine's own default."""
+    """The engine's arguments as options (ENGINE_OPTIONS), each defaulting to None: the engine's own default, or
+    SERVING_DEFAULTS's."""
     e = p.add_argument_group("engine options (chunkwise.engine_config.EngineConfig; default: the engine's)")
     e.add_argument("--dtype", choices=list(DTYPES))
     e.add_argument("--device", help="cpu, cuda or cuda:k")
     for name in ("page_size", "max_model_len", "num_pages", "max_num_batched_tokens", "max_num_seqs",
                  "tensor_parallel_size", "split_kv_threshold", "split_size", "max_graph_tokens"):
         e.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
+    e.add_argument("--max-prefill-tokens-with-decodes", type=_int_or_none, dest="max_prefill_tokens_with_decodes",
+                   metavar="N|none", help=f"prefill tokens a step that also decodes may compute (default "
+                   f"{SERVING_DEFAULTS['max_prefill_tokens_with_decodes']} when serving; none: the whole "
+                   f"--max-num-batched-tokens)")
     e.add_argument("--gpu-memory-utilization", type=float)
     for name in ("enable_prefix_caching", "enforce_eager", "cascade_attention", "deterministic",
                  "async_scheduling", "custom_all_reduce"):
         e.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, dest=name)
 
 
+def _int_or_none(text: str) -> int | str:
+    """An integer, or the word none (kept as "none": engine_kwargs passes None for it)."""
+    if text.lower() == "none":
+        return "none"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or none, got {text!r}") from None
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The engine options given on the command line, as Engine(...) keywords."""
-    return {k: getattr(args, k) for k in ENGINE_OPTIONS if getattr(args, k) is not None}
+    """The engine options given on the command line, as Engine(...) keywords, with SERVING_DEFAULTS for those not
+    given."""
+    given = {k: getattr(args, k) for k in ENGINE_OPTIONS if getattr(args, k) is not None}
+    kwargs = {**SERVING_DEFAULTS, **given}
+    return {k: None if v == "none" else v for k, v in kwargs.items()}
 
 
 class Server(uvicorn.Server):
