@@ -31,7 +31,9 @@ the run's duration: first arrival to last token), and goodput: the share (and ra
 --ttft-target-ms and whose own ITL p99 at most --itl-target-ms.
 Decode-only step time: every engine step is timed by benchmarks/step_timer.py (its wall time: under overlap
 scheduling the host's work for step k+1 plus the wait for step k); per run, the median of the decode-only steps
-that follow a decode-only step, with their median batch. Standalone: N sequences with prompts of the workload's
+that follow a decode-only step, with their median batch, and their p99 (decode-only steps are CUDA graphs of
+nearly fixed device time, so their tail is the host's: a floor under ITL p99 that no scheduling removes); also the
+p50/p99 wall time of the steps with prefill rows, which every decoding user waits for. Standalone: N sequences with prompts of the workload's
 mean length decode together after their prefill, --decode-steps steps timed, for each --decode-batches.
 Before timing: --warmup-requests requests at the highest rate through each path (the Triton compiles of each timed
 run are counted: `compiles` in the JSON, expected 0). After the HTTP warm-up, a greedy check: the first
@@ -232,12 +234,18 @@ def summarize(traces: list[Trace], start: float, ttft_target_ms: float, itl_targ
 def step_stats(steps: list[dict]) -> dict:
     """The run's engine steps (StepTimer's records): the median wall time of decode-only steps that follow a
     decode-only step (under overlap a step's wall time includes the wait for the one before), their median batch,
-    and the median batch of every step."""
+    the median batch of every step, and the wall time of the steps with prefill rows (every user decoding beside
+    them waits for them: where an ITL tail comes from, unless the host stalled). The decode-only steps' own p99 is
+    the floor a host's stalls put under ITL p99 whatever the scheduling: decode-only steps run as CUDA graphs of
+    nearly fixed device time, so their tail is the host's."""
     decode = [s for prev, s in zip(steps, steps[1:]) if s["decode_only"] and prev["decode_only"]]
+    mixed = [1e3 * s["step"] for s in steps if not s["decode_only"]]
     return dict(steps=len(steps), batch_median=float(np.median([s["batch"] for s in steps])) if steps else None,
                 decode_steps=len(decode),
                 decode_step_ms=1e3 * float(np.median([s["step"] for s in decode])) if decode else None,
-                decode_batch_median=float(np.median([s["tokens"] for s in decode])) if decode else None)
+                decode_step_p99_ms=1e3 * float(np.percentile([s["step"] for s in decode], 99)) if decode else None,
+                decode_batch_median=float(np.median([s["tokens"] for s in decode])) if decode else None,
+                mixed_steps=len(mixed), mixed_step_ms=quantiles(mixed))
 
 
 def window_stats(steps: list[dict], compile_times: list[float], begin: float, end: float) -> dict:
@@ -319,19 +327,25 @@ def markdown(results: dict) -> str:
     rows = [f"Serving benchmark: {c['model']}, {c['dtype']} on {c['device']}; {c['num_requests']} requests, prompts "
             f"{c['input_len_range'][0]}..{c['input_len_range'][1]}, outputs {c['output_len_range'][0]}.."
             f"{c['output_len_range'][1]} tokens (seed {c['seed']}); max_num_batched_tokens "
-            f"{c['max_num_batched_tokens']}, max_num_seqs {c['max_num_seqs']}, async_scheduling "
+            f"{c['max_num_batched_tokens']} (prefill beside decodes {c['max_prefill_tokens_with_decodes']}), "
+            f"max_num_seqs {c['max_num_seqs']}, async_scheduling "
             f"{c['async_scheduling']}; goodput: TTFT <= {c['ttft_target_ms']:g} ms and ITL p99 <= "
             f"{c['itl_target_ms']:g} ms", "",
             "| mode | rate req/s | duration s | out tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 / max ms "
-            "| E2E p50 / p90 / p99 s | goodput | decode-only step ms (batch) | compiles |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| E2E p50 / p90 / p99 s | goodput | decode-only step ms p50 (batch) / p99 | ITL p99 / decode-only step "
+            "| steps with prefill ms p50 / p99 | compiles |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results["runs"]:
         g = r["goodput"]
-        step = "-" if r["decode_step_ms"] is None else f"{r['decode_step_ms']:.2f} ({r['decode_batch_median']:.0f})"
+        decode, p99 = r["decode_step_ms"], r["itl_ms"]["p99"]
+        step = "-" if decode is None else \
+            f"{decode:.2f} ({r['decode_batch_median']:.0f}) / {r['decode_step_p99_ms']:.2f}"
+        ratio = "-" if decode is None or p99 is None else f"{p99 / decode:.2f}x"
         rows.append(f"| {r['mode']} | {r['rate']:g} | {r['duration_s']:.1f} | {r['output_tokens_per_s']:.0f} "
                     f"| {_ms(r['ttft_ms'], ('p50', 'p90', 'p99'))} | {_ms(r['itl_ms'], ('p50', 'p90', 'p99', 'max'))} "
                     f"| {_ms(r['e2e_ms'], ('p50', 'p90', 'p99'), 1e-3)} | {g['fraction']:.0%} "
-                    f"({g['requests_per_s']:.1f}/s) | {step} | {r['compiles']} |")
+                    f"({g['requests_per_s']:.1f}/s) | {step} | {ratio} | {_ms(r['mixed_step_ms'], ('p50', 'p99'))} "
+                    f"| {r['compiles']} |")
     if results["decode_windows"]:
         rows += ["", "Standalone decode-only steps (after the prefill and warm-up steps):", "",
                  "| sequences | prompt tokens | step ms | tok/s | all decode-only |", "|---:|---:|---:|---:|---|"]
@@ -504,7 +518,7 @@ class Bench:
                     device=device, num_requests=a.num_requests, rates=a.rates, input_len_range=a.input_len_range,
                     output_len_range=a.output_len_range, seed=a.seed, ttft_target_ms=a.ttft_target_ms,
                     itl_target_ms=a.itl_target_ms, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                    max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, page_size=cfg.page_size,
+                    max_prefill_tokens_with_decodes=cfg.max_prefill_tokens_with_decodes, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, page_size=cfg.page_size,
                     num_pages=self.engine.executor.num_pages, async_scheduling=cfg.async_scheduling,
                     enforce_eager=cfg.enforce_eager, construct_s=self.construct_s)
 
