@@ -407,6 +407,22 @@ MUTANTS = [
            "        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1 and not s.pending_is_last]:\n",
            "        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:\n",
            "a decode whose pending token is its last is scheduled again, computing past max_tokens"),
+    # ---- the prefill cap of a step that decodes (max_prefill_tokens_with_decodes) ------------------------------------
+    Mutant("decode_step_prefill_cap_ignored", "chunkwise/engine/scheduler.py",
+           "        return self.budget if self.prefill_cap is None else min(self.budget, self.prefill_cap)\n",
+           "        return self.budget\n",
+           "the cap is set once a step decodes, but a prefill split by the budget still takes all the budget left, so "
+           "every decoding user waits for a full-budget prefill"),
+    Mutant("decode_step_prefill_cap_per_sequence", "chunkwise/engine/scheduler.py",
+           "            self.prefill_cap -= n\n",
+           "            pass\n",
+           "each prefill beside the decodes gets the whole cap for itself instead of sharing it, so a step with "
+           "several prompts prefilling exceeds it"),
+    Mutant("decode_step_prefill_cap_cuts_caller_chunks", "chunkwise/engine/scheduler.py",
+           "        if want <= plan.budget:\n",
+           "        if want <= plan.prefill_budget:\n",
+           "a caller's chunk (chunk_sizes) waits for the decode-step cap, not only the budget, so while any request "
+           "decodes a composed request's chunk larger than the cap never runs"),
     # ---- the accepting side of every limit (issue 32: checks that refuse too much passed CI) --------------------
     Mutant("max_model_len_refuses_a_request_of_exactly_it", "chunkwise/requests.py",
            "        if len(tokens) + p.max_tokens > max_model_len:\n",
