@@ -183,15 +183,21 @@ def test_paged_attention_rejects_bad_arguments_naming_them(change, match):
             fn(**args)
 
 
-def test_tiles_take_256_rows_only_where_shared_memory_holds_them_and_64_when_capped():
+def test_tiles_take_256_rows_only_where_shared_memory_holds_them_and_64_on_three_stages_on_hopper_when_capped():
     pa = importlib.import_module("chunkwise.kernels.paged_attention")   # the package re-exports the function of that name
     assert pa.shared_memory(torch.device("cpu")) == 0
     assert pa.tile_config(128, 2, torch.bfloat16, 0)[0] == 128
     assert pa.tile_config(128, 2, torch.bfloat16, 164 * 1024)[0] == 128   # A100: 256 rows not measured there
     assert pa.tile_config(128, 2, torch.bfloat16, 227 * 1024)[0] == 256   # Hopper
     assert pa.tile_config(128, 2, torch.bfloat16, 227 * 1024, max_rows=128)[0] == 128
-    # one warpgroup of the same 128-key tiles, on any device
-    assert [pa.tile_config(128, 2, torch.bfloat16, smem, max_rows=64)
-            for smem in (0, 227 * 1024)] == [(64, 128, 4, 2)] * 2
-    assert pa.tile_config(128, 128, torch.bfloat16, 0, max_rows=64)[0] == 128   # a GQA group needs its rows
+    # one warpgroup of the same 128-key tiles on any device; a third stage only where Hopper's shared memory holds it
+    assert [pa.tile_config(128, group, torch.bfloat16, smem, max_rows=64)
+            for group in (2, 4, 8) for smem in (0, 164 * 1024, 227 * 1024)] == [
+        (64, 128, 4, 2), (64, 128, 4, 2), (64, 128, 4, 3)] * 3
+    assert pa.tile_config(128, 2, torch.float16, 227 * 1024, max_rows=64) == (64, 128, 4, 3)
+    # a GQA group needs its rows, and 128 of them keep two stages (three would not fit)
+    assert [pa.tile_config(128, 128, torch.bfloat16, smem, max_rows=64)
+            for smem in (0, 227 * 1024)] == [(128, 128, 4, 2)] * 2
+    assert pa.tile_config(128, 2, torch.bfloat16, 227 * 1024, max_rows=128)[3] == 2   # the prefill's tiles as before
+    assert pa.tile_config(128, 2, torch.bfloat16, 227 * 1024)[3] == 2
     assert pa.tile_config(128, 2, torch.float32, 227 * 1024)[0] == 64

@@ -54,12 +54,21 @@ def tile_config(head_dim, group, dtype, shared_memory=0, max_rows=256):
     with the same bits on every shape measured. 64 rows (one warpgroup, the same 128-key tiles) are for batches of
     one-token queries, mostly padding in taller tiles: on an H100 decode batches took 15-17% less time on them
     than on 128 rows, with the same bits as 128 rows on every shape measured (decode batches and prefill chunks,
-    16 and 32 query heads over 8), while larger prefill chunks were slower. fp32 tiles of 128 rows overflow shared
-    memory, and d256 keeps small tiles for registers.
+    16 and 32 query heads over 8), while larger prefill chunks were slower. On Hopper those 64-row tiles take three
+    stages (48 KB of shared memory in their sm_90 build, tests/hopper_compile.py; measured only there, so two
+    elsewhere): on an H100 (16q/8kv, CUDA-graph replays) 256 decodes at 100-2048 tokens took 537.2 us against 588.6
+    on two stages, 64 at 4096-8192 695.8 against 846.0, 16 at 1000 36.6 against 40.1 (an H200: 510.8 against 550.2,
+    665.2 against 767.4, 33.8 against 36.5), with the 128-row tiles' bits on every shape measured (stages pipeline
+    the loads; the arithmetic is the same). Tiles of 16 or 32 rows were faster still for decodes (409-421 us on the
+    first shape) but Triton lowers their dots to mma.sync rather than wgmma, and their bits differed from the
+    128-row tiles' on every batch measured. fp32 tiles of 128 rows overflow shared memory, and d256 keeps small
+    tiles for registers.
     """
     if head_dim <= 128 and dtype != torch.float32:
         rows = 256 if shared_memory >= HOPPER_SHARED_MEMORY and max_rows >= 256 else min(128, max_rows)
-        return max(rows, next_power_of_2(group)), 128, 8 if rows >= 128 else 4, 2
+        block_m = max(rows, next_power_of_2(group))
+        stages = 3 if block_m == 64 and shared_memory >= HOPPER_SHARED_MEMORY else 2
+        return block_m, 128, 8 if rows >= 128 else 4, stages
     return max(64, next_power_of_2(group)), 64 if head_dim <= 128 else 32, 4, 2
 
 
