@@ -20,8 +20,8 @@ Modes:
   http    the server of `python -m chunkwise serve` in this process (chunkwise.serve.cli.serving: uvicorn on a free
           127.0.0.1 port) over an engine built alike (the same options) in a process of its own, as the command
           runs it (--http-engine thread: this process's engine, stepped on a thread); clients in child processes
-          (httpx, asyncio: one streamed /v1/completions request per arrival; --client-processes of them, dealt the
-          requests in turn) stamp each token's event when it arrives. Clients have processes of their own so that
+          (httpx on asyncio, uvloop's where installed: one streamed /v1/completions request per arrival;
+          --client-processes of them, dealt the requests in turn) stamp each token's event when it arrives. Clients have processes of their own so that
           parsing their streams takes no GIL time from the server, and several so that one client's parsing of
           every other stream does not delay its timestamps. The engine process records its steps and compiles
           (RecordingEngine) and each HTTP run gets those within its time, as an engine run gets its own.
@@ -151,8 +151,14 @@ def drive_engine(engine: Engine, requests: list[Request]) -> tuple[float, list[T
 
 # ---- http mode: the client, run in a child process ----------------------------------------------------------------
 def http_client(url: str, requests: list[Request], start: float, logprobs: bool = False) -> list[Trace]:
-    """Sends each request, streamed, at start + its arrival; the traces of their token events."""
-    return asyncio.run(_http_run(url, requests, start, logprobs))
+    """Sends each request, streamed, at start + its arrival; the traces of their token events. On uvloop where
+    installed (a dependency, as the server's): a client's own per-event Python delays its timestamps, which would
+    count as the server's latency."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(_http_run(url, requests, start, logprobs))
+    return uvloop.run(_http_run(url, requests, start, logprobs))
 
 
 async def _http_run(url: str, requests: list[Request], start: float, logprobs: bool) -> list[Trace]:
@@ -438,9 +444,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--http-engine", choices=["process", "thread"], default="process",
                    help="http mode's engine: in a process of its own (default, as `chunkwise serve`), or this "
                         "process's engine on a thread (`chunkwise serve --no-engine-process`)")
-    p.add_argument("--client-processes", type=int, default=4,
-                   help="http mode's client processes, the requests dealt among them in turn (default 4: one "
-                        "process parsing every stream delays its own timestamps at high rates)")
+    p.add_argument("--client-processes", type=int, default=8,
+                   help="http mode's client processes, the requests dealt among them in turn (default 8: a "
+                        "process parsing many streams delays its own timestamps at high rates)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ttft-target-ms", type=float, default=200.0, help="goodput's TTFT target (default 200)")
     p.add_argument("--itl-target-ms", type=float, default=50.0,
