@@ -162,10 +162,15 @@ MUTANTS = [
            "        need = int(seq_lens.max(initial=1)) // self.page_size\n",
            "an eager step's prefill page tables are cut one page short of the longest sequence's last (partial) page"),
     Mutant("decode_tiles_take_64_keys", "chunkwise/kernels/paged_attention.py",
-           "        return max(rows, next_power_of_2(group)), 128, 8 if rows >= 128 else 4, 2\n",
-           "        return max(rows, next_power_of_2(group)), 128 if rows >= 128 else 64, 8 if rows >= 128 else 4, 2\n",
+           "        return block_m, 128, 8 if rows >= 128 else 4, stages\n",
+           "        return block_m, 128 if rows >= 128 else 64, 8 if rows >= 128 else 4, stages\n",
            "deterministic decodes' 64-row tiles also take 64-key tiles: their online softmax rounds differently from "
            "the prefill's, so a token's bits depend on which computed it"),
+    Mutant("three_stages_beyond_hopper_decode_tiles", "chunkwise/kernels/paged_attention.py",
+           "        stages = 3 if block_m == 64 and shared_memory >= HOPPER_SHARED_MEMORY else 2\n",
+           "        stages = 3 if block_m <= 128 else 2\n",
+           "the third pipeline stage, measured for Hopper's 64-row decode tiles, goes to 128-row tiles and to GPUs with "
+           "less shared memory too, where the tiles' buffers no longer fit"),
     Mutant("host_cdiv_floors", "chunkwise/kernels/tiling.py",
            "    return -(a // -b)\n",
            "    return a // b\n",
