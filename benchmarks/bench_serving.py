@@ -29,6 +29,8 @@ Latencies count from the scheduled arrival: TTFT to the first token, ITL the gap
 request, E2E to its last token. Per mode and rate: their p50/p90/p99 (and ITL's max), output tokens/s (tokens over
 the run's duration: first arrival to last token), and goodput: the share (and rate) of requests whose TTFT is at most
 --ttft-target-ms and whose own ITL p99 at most --itl-target-ms.
+Over HTTP also the inter-token latency as far as the server's receiver (ReceiptRecorder): where between the engine
+and the client an HTTP run's extra latency is lost.
 Decode-only step time: every engine step is timed by benchmarks/step_timer.py (its wall time: under overlap
 scheduling the host's work for step k+1 plus the wait for step k); per run, the median of the decode-only steps
 that follow a decode-only step, with their median batch, and their p99 (decode-only steps are CUDA graphs of
@@ -267,6 +269,35 @@ def window_stats(steps: list[dict], compile_times: list[float], begin: float, en
                 launches={f"{kind} {path}": n - base.get((kind, path), 0) for (kind, path), n in last.items()})
 
 
+class ReceiptRecorder:
+    """When the server received each step's outputs (`Streams.deliver`, on the thread that routes them to the
+    requests' streams, before the event loop) and which requests got a token. A request's gaps between receipts are
+    its inter-token latency as far as the server's receiver: beside the engine's own and the clients', it says where
+    an HTTP run's extra latency is lost (before the receiver: the engine process's pipe; after it: the event loop,
+    the socket, the client)."""
+
+    def __init__(self, streams):
+        self.receipts: list[tuple[float, list[int]]] = []
+        deliver = streams.deliver
+
+        def recorded(outs):
+            self.receipts.append((time.perf_counter(), [o.request_id for o in outs if o.new_token_ids]))
+            deliver(outs)
+        streams.deliver = recorded
+
+    def itl(self, begin: float, end: float) -> dict:
+        """The gaps (ms) between consecutive receipts of a request's tokens received within [begin, end]: their
+        count and p50/p90/p99/max."""
+        last, gaps = {}, []
+        for at, rids in self.receipts:
+            if begin <= at <= end:
+                for rid in rids:
+                    if rid in last:
+                        gaps.append(1e3 * (at - last[rid]))
+                    last[rid] = at
+        return dict(gaps=len(gaps), **quantiles(gaps, with_max=True))
+
+
 class RecordingEngine(Engine):
     """The engine of the HTTP runs' engine process: records its steps (StepTimer: when each began, its wall time,
     its batch, the runner's launches so far) and Triton's compiles (when each happened), and writes them as JSON to
@@ -352,6 +383,12 @@ def markdown(results: dict) -> str:
                     f"| {_ms(r['e2e_ms'], ('p50', 'p90', 'p99'), 1e-3)} | {g['fraction']:.0%} "
                     f"({g['requests_per_s']:.1f}/s) | {step} | {ratio} | {_ms(r['mixed_step_ms'], ('p50', 'p99'))} "
                     f"| {r['compiles']} |")
+    receipts = [r for r in results["runs"] if "server_receipt_itl_ms" in r]
+    if receipts:
+        rows += ["", "Inter-token latency as far as the server's receiver (its thread routing each step's outputs, "
+                     "before the event loop), HTTP runs: " + "; ".join(
+                         f"{r['rate']:g} req/s p50 / p90 / p99 / max "
+                         f"{_ms(r['server_receipt_itl_ms'], ('p50', 'p90', 'p99', 'max'))} ms" for r in receipts)]
     if results["decode_windows"]:
         rows += ["", "Standalone decode-only steps (after the prefill and warm-up steps):", "",
                  "| sequences | prompt tokens | step ms | tok/s | all decode-only |", "|---:|---:|---:|---:|---|"]
@@ -514,6 +551,7 @@ class Bench:
                                       self.engine.model_config.vocab_size, args.seed)
         self.runs = itertools.count(1)   # each run's prompt ids come from (seed, its number)
         self.process_runs: list[tuple[dict, float, float]] = []   # HTTP runs of an engine process, with their times
+        self.receipts: ReceiptRecorder | None = None   # the HTTP server's receipts of the engine's outputs
         self.engine_runs: dict[float, tuple[list[Request], list[Trace]]] = {}
         self.results = dict(config=self._config(model), runs=[], decode_windows=[], greedy_check=None)
 
@@ -542,6 +580,8 @@ class Bench:
             self.engine_runs[rate] = requests, traces
         r = dict(mode=mode, rate=rate, **summarize(traces, start, self.args.ttft_target_ms, self.args.itl_target_ms))
         end = start + r["duration_s"]
+        if mode == "http":
+            r["server_receipt_itl_ms"] = self.receipts.itl(start, end)
         if mode == "engine" or self.args.http_engine == "thread":   # this process stepped the engine
             r.update(window_stats(self.timer.steps, COMPILE_TIMES, start, end))
         else:
@@ -596,6 +636,7 @@ class Bench:
             engine.start()
         k = self.args.client_processes
         with serving(engine, SERVED_NAME) as srv, ProcessPoolExecutor(k, mp_context=spawn) as clients:
+            self.receipts = ReceiptRecorder(srv.state.loop.streams)
             def run(requests, logprobs=False):   # request i goes to client i % k
                 start = time.perf_counter() + CLIENT_LEAD_S
                 parts = [clients.submit(http_client, srv.url, requests[i::k], start, logprobs) for i in range(k)]

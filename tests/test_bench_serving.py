@@ -96,6 +96,17 @@ def test_decode_only_step_time_is_measured_in_each_run_and_standalone(bench):
     assert window["tokens_per_s"] == pytest.approx(2 / (window["step_ms"] / 1e3))
 
 
+def test_the_http_runs_server_receipts_hold_every_gap_between_a_requests_tokens(bench):
+    """One receipt per token at the server's receiver: a request of n tokens has n - 1 gaps there, as at its client."""
+    results, out = bench
+    [run] = [r for r in results["runs"] if r["mode"] == "http"]
+    q = run["server_receipt_itl_ms"]
+    assert q["gaps"] == run["tokens"] - run["requests"] == sum(r["tokens"] - 1 for r in run["per_request"])
+    assert 0 < q["p50"] <= q["p90"] <= q["p99"] <= q["max"]
+    assert "engine" not in {r["mode"] for r in results["runs"] if "server_receipt_itl_ms" in r}
+    assert f"200 req/s p50 / p90 / p99 / max {q['p50']:.1f} / " in (out / "bench_serving.md").read_text()
+
+
 def test_the_json_holds_what_main_returned_and_the_table_has_a_row_per_run(bench):
     results, out = bench
     assert json.loads((out / "bench_serving.json").read_text()) == json.loads(json.dumps(results))
