@@ -247,11 +247,10 @@ def step_stats(steps: list[dict]) -> dict:
     the floor a host's stalls put under ITL p99 whatever the scheduling: decode-only steps run as CUDA graphs of
     nearly fixed device time, so their tail is the host's."""
     decode = [s for prev, s in zip(steps, steps[1:]) if s["decode_only"] and prev["decode_only"]]
+    decode_ms = quantiles([1e3 * s["step"] for s in decode])
     mixed = [1e3 * s["step"] for s in steps if not s["decode_only"]]
     return dict(steps=len(steps), batch_median=float(np.median([s["batch"] for s in steps])) if steps else None,
-                decode_steps=len(decode),
-                decode_step_ms=1e3 * float(np.median([s["step"] for s in decode])) if decode else None,
-                decode_step_p99_ms=1e3 * float(np.percentile([s["step"] for s in decode], 99)) if decode else None,
+                decode_steps=len(decode), decode_step_ms=decode_ms["p50"], decode_step_p99_ms=decode_ms["p99"],
                 decode_batch_median=float(np.median([s["tokens"] for s in decode])) if decode else None,
                 mixed_steps=len(mixed), mixed_step_ms=quantiles(mixed))
 

@@ -414,15 +414,20 @@ MUTANTS = [
            "a decode whose pending token is its last is scheduled again, computing past max_tokens"),
     # ---- the prefill cap of a step that decodes (max_prefill_tokens_with_decodes) ------------------------------------
     Mutant("decode_step_prefill_cap_ignored", "chunkwise/engine/scheduler.py",
-           "        return self.budget if self.prefill_cap is None else min(self.budget, self.prefill_cap)\n",
+           "        return min(self.budget, self.prefill_cap - sum(self.capped.values()))\n",
            "        return self.budget\n",
            "the cap is set once a step decodes, but a prefill split by the budget still takes all the budget left, so "
            "every decoding user waits for a full-budget prefill"),
     Mutant("decode_step_prefill_cap_per_sequence", "chunkwise/engine/scheduler.py",
-           "            self.prefill_cap -= n\n",
-           "            pass\n",
+           "        return min(self.budget, self.prefill_cap - sum(self.capped.values()))\n",
+           "        return min(self.budget, self.prefill_cap)\n",
            "each prefill beside the decodes gets the whole cap for itself instead of sharing it, so a step with "
            "several prompts prefilling exceeds it"),
+    Mutant("decode_step_prefill_cap_kept_by_a_preempted_prefill", "chunkwise/engine/scheduler.py",
+           "            self.capped.pop(seq.seq_id, None)   # a preempted prefill gives its share of the cap back\n",
+           "",
+           "a prefill preempted out of a step keeps counting against the step's prefill cap, so the prompts left in "
+           "the step get fewer tokens than the cap allows"),
     Mutant("decode_step_prefill_cap_cuts_caller_chunks", "chunkwise/engine/scheduler.py",
            "        if want <= plan.budget:\n",
            "        if want <= plan.prefill_budget:\n",

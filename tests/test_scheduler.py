@@ -396,6 +396,23 @@ def test_the_prefill_cap_is_shared_by_a_steps_prefills_and_admissions_and_does_n
         assert_alone(seq)
 
 
+def test_a_prefill_dropped_from_a_step_gives_its_share_of_the_cap_back():
+    from chunkwise.engine.scheduler import _Plan
+
+    plan = _Plan(budget=10)
+    decode, a, b = Sequence(0, [1]), Sequence(1, list(range(6))), Sequence(2, list(range(6)))
+    plan.add(decode, 1)
+    plan.prefill_cap = 4
+    plan.add(a, 3)
+    assert plan.prefill_budget == 1
+    plan.add(b, 1)
+    assert plan.prefill_budget == 0
+    plan.drop(a)   # preempted: its 3 tokens leave the step and the cap
+    assert (plan.budget, plan.prefill_budget) == (8, 3)
+    plan.drop(decode)   # a decode never counted against the cap
+    assert (plan.budget, plan.prefill_budget) == (9, 3)
+
+
 def test_max_num_seqs_caps_the_running_sequences():
     sched = make(max_seqs=2)
     seqs = [Sequence(i, [i + 1] * 3, SamplingParams(max_tokens=3)) for i in range(5)]

@@ -55,28 +55,28 @@ class _Plan:
 
     def __init__(self, budget: int):
         self.budget = budget
-        self.prefill_cap: int | None = None   # prefill tokens this step may still add once it decodes
-        self.capped: dict[int, int] = {}      # seq id -> its tokens counted against prefill_cap
+        self.prefill_cap: int | None = None   # prefill tokens the step may hold once it decodes
+        self.capped: dict[int, int] = {}      # seq id -> its tokens added since (prefill: they count against it)
         self.tokens: dict[int, tuple[Sequence, int]] = {}
         self.preempted: list[Sequence] = []
 
     @property
     def prefill_budget(self) -> int:
         """Tokens a prefill split by the budget may take now."""
-        return self.budget if self.prefill_cap is None else min(self.budget, self.prefill_cap)
+        if self.prefill_cap is None:
+            return self.budget
+        return min(self.budget, self.prefill_cap - sum(self.capped.values()))
 
     def add(self, seq: Sequence, n: int) -> None:
         self.tokens[seq.seq_id] = (seq, n)
         self.budget -= n
         if self.prefill_cap is not None:   # set after the decodes: whatever comes now is prefill
-            self.prefill_cap -= n
             self.capped[seq.seq_id] = n
 
     def drop(self, seq: Sequence) -> None:
         if seq.seq_id in self.tokens:
             self.budget += self.tokens.pop(seq.seq_id)[1]
-            if seq.seq_id in self.capped:   # a preempted prefill gives its share of the cap back
-                self.prefill_cap += self.capped.pop(seq.seq_id)
+            self.capped.pop(seq.seq_id, None)   # a preempted prefill gives its share of the cap back
 
     def batch(self, pool: PagePool) -> ScheduledBatch:
         """The step; a step that runs something takes the pool's page changes with it."""

@@ -62,8 +62,8 @@ SERVING_DEFAULTS = {"max_prefill_tokens_with_decodes": 256}
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
-    """The engine's arguments as options (ENGINE_OPTIONS), each defaulting to None: the engine's own default, or
-    SERVING_DEFAULTS's."""
+    """The engine's arguments as options (ENGINE_OPTIONS), each defaulting to None (the engine's own default) but
+    those of SERVING_DEFAULTS."""
     e = p.add_argument_group("engine options (chunkwise.engine_config.EngineConfig; default: the engine's)")
     e.add_argument("--dtype", choices=list(DTYPES))
     e.add_argument("--device", help="cpu, cuda or cuda:k")
@@ -71,19 +71,19 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                  "tensor_parallel_size", "split_kv_threshold", "split_size", "max_graph_tokens"):
         e.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
     e.add_argument("--max-prefill-tokens-with-decodes", type=_int_or_none, dest="max_prefill_tokens_with_decodes",
-                   metavar="N|none", help=f"prefill tokens a step that also decodes may compute (default "
-                   f"{SERVING_DEFAULTS['max_prefill_tokens_with_decodes']} when serving; none: the whole "
-                   f"--max-num-batched-tokens)")
+                   default=SERVING_DEFAULTS["max_prefill_tokens_with_decodes"], metavar="N|none",
+                   help="prefill tokens a step that also decodes may compute (default %(default)s when serving; none: "
+                        "the whole --max-num-batched-tokens)")
     e.add_argument("--gpu-memory-utilization", type=float)
     for name in ("enable_prefix_caching", "enforce_eager", "cascade_attention", "deterministic",
                  "async_scheduling", "custom_all_reduce"):
         e.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, dest=name)
 
 
-def _int_or_none(text: str) -> int | str:
-    """An integer, or the word none (kept as "none": engine_kwargs passes None for it)."""
+def _int_or_none(text: str) -> int | None:
+    """An integer, or None for the word none."""
     if text.lower() == "none":
-        return "none"
+        return None
     try:
         return int(text)
     except ValueError:
@@ -91,11 +91,9 @@ def _int_or_none(text: str) -> int | str:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The engine options given on the command line, as Engine(...) keywords, with SERVING_DEFAULTS for those not
-    given."""
-    given = {k: getattr(args, k) for k in ENGINE_OPTIONS if getattr(args, k) is not None}
-    kwargs = {**SERVING_DEFAULTS, **given}
-    return {k: None if v == "none" else v for k, v in kwargs.items()}
+    """The engine options given on the command line, and those of SERVING_DEFAULTS (given or not, None included),
+    as Engine(...) keywords."""
+    return {k: getattr(args, k) for k in ENGINE_OPTIONS if getattr(args, k) is not None or k in SERVING_DEFAULTS}
 
 
 class Server(uvicorn.Server):
