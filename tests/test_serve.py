@@ -108,6 +108,13 @@ def test_health_and_models(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_the_server_keeps_an_idle_connection_longer_than_openais_client_does(server):
+    # otherwise a client may reuse a connection just as the server closes it, and get a read error for an answer;
+    # the openai client keeps httpx's default
+    import httpx
+    assert server.config.timeout_keep_alive > httpx.Limits().keepalive_expiry
+
+
 def test_completions_whole_and_streamed_equal_the_engines_own(engine, client):
     prompt = [5, 6, 7, 8, 9]
     want = expected(engine, [prompt], max_tokens=6, ignore_eos=True)[0]

@@ -19,11 +19,14 @@ import uvicorn
 
 from chunkwise.engine_config import DTYPES
 from chunkwise.serve.app import ServerState, build_app
-from chunkwise.serve.engine_core import EngineCore, EngineStartError
+from chunkwise.serve.engine_core import EngineCore, EngineStartError, settled_heap
 from chunkwise.serve.engine_loop import EngineLoop
 from chunkwise.serve.metrics import Metrics
 
 GRACEFUL_SHUTDOWN_S = 10   # after the aborts, how long open connections may take to close
+# An idle connection is closed by its client before the server: a client reusing one as the server closes it gets a
+# read error instead of an answer. httpx (so the openai client) lets one idle for 5 s, uvicorn's own default.
+KEEP_ALIVE_S = 15
 
 
 def parser() -> argparse.ArgumentParser:
@@ -118,7 +121,7 @@ def make_server(loop, model_name: str, host: str = "127.0.0.1", port: int = 8000
                                    loop.kv_pages_total())
     state = ServerState(loop, model_name, max_waiting=max_waiting, max_logprobs=max_logprobs)
     config = uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, timeout_keep_alive=KEEP_ALIVE_S)
     return Server(config, state)
 
 
@@ -178,7 +181,8 @@ def main(argv=None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:
-        server.run()
+        with settled_heap():
+            server.run()
     finally:
         loop.close()
     return 0 if server.started else 1
