@@ -29,8 +29,9 @@ Latencies count from the scheduled arrival: TTFT to the first token, ITL the gap
 request, E2E to its last token. Per mode and rate: their p50/p90/p99 (and ITL's max), output tokens/s (tokens over
 the run's duration: first arrival to last token), and goodput: the share (and rate) of requests whose TTFT is at most
 --ttft-target-ms and whose own ITL p99 at most --itl-target-ms.
-Over HTTP also the inter-token latency as far as the server's receiver (ReceiptRecorder): where between the engine
-and the client an HTTP run's extra latency is lost.
+Over HTTP also the inter-token latency as far as the server's receipt (ReceiptRecorder): where between the engine
+and the client an HTTP run's extra latency is lost. Each process that steps or serves settles its heap once built
+(gc.freeze, as `chunkwise serve` does), so no full garbage collection stalls a run.
 Decode-only step time: every engine step is timed by benchmarks/step_timer.py (its wall time: under overlap
 scheduling the host's work for step k+1 plus the wait for step k); per run, the median of the decode-only steps
 that follow a decode-only step, with their median batch, and their p99 (decode-only steps are CUDA graphs of
@@ -67,7 +68,7 @@ from benchmarks.step_timer import StepTimer
 from chunkwise.checkpoints import tiny_checkpoint
 from chunkwise.engine import Engine, SamplingParams
 from chunkwise.serve.cli import add_engine_options, engine_kwargs, serving
-from chunkwise.serve.engine_core import EngineCore
+from chunkwise.serve.engine_core import EngineCore, settled_heap
 
 MODES = ("engine", "http")
 SERVED_NAME = "bench"
@@ -269,11 +270,11 @@ def window_stats(steps: list[dict], compile_times: list[float], begin: float, en
 
 
 class ReceiptRecorder:
-    """When the server received each step's outputs (`Streams.deliver`, on the thread that routes them to the
-    requests' streams, before the event loop) and which requests got a token. A request's gaps between receipts are
-    its inter-token latency as far as the server's receiver: beside the engine's own and the clients', it says where
-    an HTTP run's extra latency is lost (before the receiver: the engine process's pipe; after it: the event loop,
-    the socket, the client)."""
+    """When the server received each step's outputs (`Streams.deliver`: on the server's event loop for an engine
+    process, on the engine's thread otherwise; before any request's stream) and which requests got a token. A
+    request's gaps between receipts are its inter-token latency as far as the server's receipt: beside the engine's
+    own and the clients', it says where an HTTP run's extra latency is lost (before the receipt: the engine
+    process's pipe; after it: the event loop's streams, the socket, the client)."""
 
     def __init__(self, streams):
         self.receipts: list[tuple[float, list[int]]] = []
@@ -384,8 +385,8 @@ def markdown(results: dict) -> str:
                     f"| {r['compiles']} |")
     receipts = [r for r in results["runs"] if "server_receipt_itl_ms" in r]
     if receipts:
-        rows += ["", "Inter-token latency as far as the server's receiver (its thread routing each step's outputs, "
-                     "before the event loop), HTTP runs: " + "; ".join(
+        rows += ["", "Inter-token latency as far as the server's receipt of each step's outputs (before any "
+                     "request's stream), HTTP runs: " + "; ".join(
                          f"{r['rate']:g} req/s p50 / p90 / p99 / max "
                          f"{_ms(r['server_receipt_itl_ms'], ('p50', 'p90', 'p99', 'max'))} ms" for r in receipts)]
     if results["decode_windows"]:
@@ -634,7 +635,8 @@ class Bench:
             engine = EngineCore(self.model, dict(self.kwargs, record=str(record)), engine_class=RecordingEngine)
             engine.start()
         k = self.args.client_processes
-        with serving(engine, SERVED_NAME) as srv, ProcessPoolExecutor(k, mp_context=spawn) as clients:
+        # settled once serving, as `chunkwise serve`'s process is
+        with serving(engine, SERVED_NAME) as srv, ProcessPoolExecutor(k, mp_context=spawn) as clients, settled_heap():
             self.receipts = ReceiptRecorder(srv.state.loop.streams)
             def run(requests, logprobs=False):   # request i goes to client i % k
                 start = time.perf_counter() + CLIENT_LEAD_S
@@ -687,9 +689,10 @@ def main(argv=None) -> dict:
     _install_compile_counter()
     bench = Bench(args)
     try:
-        if "engine" in args.modes:
-            bench.engine_mode()
-        bench.decode_windows()
+        with settled_heap():   # the engine driven directly as a serving process runs it
+            if "engine" in args.modes:
+                bench.engine_mode()
+            bench.decode_windows()
         if "http" in args.modes:
             bench.http_mode()
     finally:

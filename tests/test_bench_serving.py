@@ -97,7 +97,7 @@ def test_decode_only_step_time_is_measured_in_each_run_and_standalone(bench):
 
 
 def test_the_http_runs_server_receipts_hold_every_gap_between_a_requests_tokens(bench):
-    """One receipt per token at the server's receiver: a request of n tokens has n - 1 gaps there, as at its client."""
+    """One receipt per token at the server's receipt: a request of n tokens has n - 1 gaps there, as at its client."""
     results, out = bench
     [run] = [r for r in results["runs"] if r["mode"] == "http"]
     q = run["server_receipt_itl_ms"]

@@ -10,8 +10,11 @@ same interface from both.
 """
 from __future__ import annotations
 
+import asyncio
+import gc
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,7 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from chunkwise.engine import Engine
 from chunkwise.sampling import SamplingParams
 from chunkwise.serve.cli import serving
-from chunkwise.serve.engine_core import EngineCore, EngineStartError
+from chunkwise.serve.engine_core import EngineCore, EngineStartError, settled_heap
+from chunkwise.serve.engine_loop import Submission
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-bytes"
@@ -168,6 +172,42 @@ def test_an_engine_process_that_dies_fails_its_requests_then_the_server_answers_
         assert health.status_code == 503 and "exited unexpectedly" in health.json()["error"]["message"]
         r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": [5], "max_tokens": 2})
         assert r.status_code == 503
+
+
+def test_stopping_while_an_event_loop_still_receives_takes_the_pipe_from_it(tiny_ckpt_with_byte_tokenizer):
+    # a server whose loop ended without detaching would otherwise leave two readers on one pipe
+    core = EngineCore(tiny_ckpt_with_byte_tokenizer, KW)
+    core.start()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever)
+    thread.start()
+    try:
+        async def attach():
+            core.attach(asyncio.get_running_loop())
+        asyncio.run_coroutine_threadsafe(attach(), loop).result(10)
+        outs = asyncio.Queue()
+        sub = Submission([[5, 6, 7]], [SamplingParams(max_tokens=LONG, ignore_eos=True)], outs, loop,
+                         time.monotonic())
+        rids = core.submit(sub).result(60)   # answered by the loop's reader
+        core.stop()
+        assert core._loop is None and core._process.exitcode == 0
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(10)   # after the outputs' routing
+        finished = []
+        while not outs.empty():
+            _, out = outs.get_nowait()
+            finished += [out.finish_reason] if out.finished else []
+        assert finished == ["abort"], (rids, finished)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def test_a_serving_process_runs_on_a_settled_heap_and_ends_with_it_unfrozen():
+    built = []   # a container the collector tracks, alive when the heap settles
+    with settled_heap():
+        assert not any(o is built for o in gc.get_objects())   # frozen: no collection passes over it
+    assert any(o is built for o in gc.get_objects()) and gc.get_freeze_count() == 0
 
 
 def test_an_engine_that_cannot_be_built_is_reported_with_its_own_error(tmp_path):

@@ -22,6 +22,7 @@ import asyncio
 import json
 import time
 from concurrent.futures import Future
+from contextlib import asynccontextmanager
 from json.encoder import encode_basestring_ascii as _json_str   # a str as json.dumps writes it (ensure_ascii)
 from dataclasses import dataclass, field
 
@@ -101,7 +102,15 @@ class _Choice:
 
 
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="chunkwise", docs_url=None, redoc_url=None)
+    @asynccontextmanager
+    async def lifespan(_app):
+        state.loop.attach(asyncio.get_running_loop())   # an engine process's messages are received on this loop
+        try:
+            yield
+        finally:
+            state.loop.detach()
+
+    app = FastAPI(title="chunkwise", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.server = state
 
     @app.exception_handler(APIError)

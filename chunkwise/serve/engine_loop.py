@@ -6,7 +6,8 @@ sleeps when none is. The event loop never waits on
 the engine: a submission is put in the inbox and answered through a future (the request ids, or the engine's
 TypeError/ValueError naming the bad value); every StepOutput goes to its request's queue (`Streams`), tagged with
 the sample's index within its HTTP request (n > 1, batched prompts), a step's outputs together through one
-`loop.call_soon_threadsafe` (not one per token: each wakes the event loop with a socket write).
+`loop.call_soon_threadsafe` (not one per token: each wakes the event loop with a socket write), or at once when
+delivered on that event loop (EngineCore receives there).
 Because the same thread adds a request and later routes its outputs, no output can arrive before its queue is
 known.
 
@@ -106,8 +107,8 @@ class Streams:
                       for rid in self.ids()])
 
     def deliver(self, outs: list[StepOutput]) -> None:
-        """Hands a step's outputs to their requests' queues with one call per event loop (each call wakes the
-        loop through a socket write, and may lose the GIL to it): this thread only sorts them."""
+        """Hands a step's outputs to their requests' queues: at once on the event loop delivering, else with one
+        call per event loop (each call wakes the loop through a socket write, and may lose the GIL to it)."""
         now = time.monotonic()
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         tokens = 0
@@ -129,7 +130,11 @@ class Streams:
             batch.append((stream.queue, stream.index, out))
         if tokens and self.metrics is not None:
             self.metrics.generation_tokens.inc(tokens)
+        here = _running_loop()
         for loop, batch in batches.items():
+            if loop is here:
+                _route(batch)
+                continue
             try:
                 loop.call_soon_threadsafe(_route, batch)
             except RuntimeError:   # the event loop has closed: nobody is listening any more
@@ -159,6 +164,12 @@ class EngineLoop:
     # ---- called from the event loop (or a signal handler) ----------------------------------------------
     def start(self) -> None:
         self._thread.start()
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Nothing to do: each submission names its event loop, and this engine's thread hands its outputs there."""
+
+    def detach(self) -> None:
+        """Nothing to do (see attach)."""
 
     def submit(self, sub: Submission) -> Future:
         """Queue the samples for the engine thread; the future holds their request ids or the engine's error."""
@@ -303,6 +314,13 @@ def _route(batch: list[tuple[asyncio.Queue, int, StepOutput]]) -> None:
     """On the event loop: one step's outputs into their requests' queues, in the step's order."""
     for q, index, out in batch:
         q.put_nowait((index, out))
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _drained(q: queue.Queue):
