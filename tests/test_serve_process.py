@@ -189,8 +189,12 @@ def test_stopping_while_an_event_loop_still_receives_takes_the_pipe_from_it(tiny
         sub = Submission([[5, 6, 7]], [SamplingParams(max_tokens=LONG, ignore_eos=True)], outs, loop,
                          time.monotonic())
         rids = core.submit(sub).result(60)   # answered by the loop's reader
+        handled_on = []
+        handle = core._handle
+        core._handle = lambda message: (handled_on.append(threading.current_thread()), handle(message))
         core.stop()
         assert core._loop is None and core._process.exitcode == 0
+        assert handled_on and set(handled_on) == {threading.current_thread()}   # the loop read none of them
         asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(10)   # after the outputs' routing
         finished = []
         while not outs.empty():

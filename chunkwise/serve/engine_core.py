@@ -145,12 +145,12 @@ class EngineCore:
     def stop(self, timeout: float = 30.0) -> None:
         """Abort everything in flight (each request gets its "abort" output), then end the engine process; the
         messages left are received here (taken from an event loop that still receives them)."""
-        if self._process is None:
+        if self._process is None or self._conn.closed:   # never started, or stopped already
             return
         self._stopping = True
-        self._send(("stop",))
         deadline = time.monotonic() + timeout
         self._take_from_loop(timeout)
+        self._send(("stop",))
         while not self._done and self._conn.poll(max(0.0, deadline - time.monotonic())):
             self._receive()
         self._process.join(max(0.0, deadline - time.monotonic()))
