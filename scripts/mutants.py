@@ -506,10 +506,25 @@ MUTANTS = [
            "the engine process ignores the server's aborts of running requests: a client that disconnects leaves "
            "its request holding pages in the engine process"),
     Mutant("serve_core_chunk_mirror_stale", "chunkwise/serve/engine_core.py",
-           "                    chunks.num_issued = max(chunks.num_issued, value.chunk_id + 1)\n",
+           "                chunks.num_issued = max(chunks.num_issued, value.chunk_id + 1)\n",
            "",
            "the server's mirror of the engine process's chunk registry does not learn of new chunks, so it refuses "
            "them in composite prompts"),
+    Mutant("serve_core_dead_engine_unnoticed", "chunkwise/serve/engine_core.py",
+           "                self._fail(f\"the engine process exited unexpectedly (exit code {self._process.exitcode})\")\n",
+           "",
+           "the server does not notice that its engine process died: its requests wait for ever and new ones are "
+           "taken"),
+    Mutant("serve_heap_not_settled", "chunkwise/serve/engine_core.py",
+           "    gc.collect()\n    gc.freeze()\n",
+           "    gc.collect()\n",
+           "serving processes keep their built heap in the garbage collector's full passes, each of which stalls "
+           "every stream for 0.1-0.3 s"),
+    Mutant("serve_keep_alive_as_long_as_clients", "chunkwise/serve/cli.py",
+           "KEEP_ALIVE_S = 15\n",
+           "KEEP_ALIVE_S = 5\n",
+           "the server closes idle connections as soon as clients stop keeping them, so a client may reuse one as it "
+           "closes and get a read error"),
     # ---- the serving benchmark ---------------------------------------------------------------------------------------
     Mutant("bench_serving_clients_traces_misdealt", "benchmarks/bench_serving.py",
            "                    traces[i::k] = part.result()\n",
