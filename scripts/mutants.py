@@ -515,6 +515,11 @@ MUTANTS = [
            "",
            "the server does not notice that its engine process died: its requests wait for ever and new ones are "
            "taken"),
+    Mutant("serve_core_loop_sends_itself", "chunkwise/serve/engine_core.py",
+           "        self._outbox.put(message)\n        return True\n",
+           "        self._conn.send(message)\n        return True\n",
+           "the event loop writes to the engine process's pipe itself: a submission larger than the pipe holds, sent "
+           "while the engine process waits for the loop to read its outputs, deadlocks both"),
     Mutant("serve_heap_not_settled", "chunkwise/serve/engine_core.py",
            "    gc.collect()\n    gc.freeze()\n",
            "    gc.collect()\n",

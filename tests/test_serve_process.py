@@ -24,6 +24,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.bench_http_overhead import MODEL as FAKE_MODEL, FakeEngine
 from chunkwise.engine import Engine
 from chunkwise.sampling import SamplingParams
 from chunkwise.serve.cli import serving
@@ -205,6 +206,43 @@ def test_stopping_while_an_event_loop_still_receives_takes_the_pipe_from_it(tiny
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+def test_a_large_submission_while_the_engine_waits_for_the_server_to_read_does_not_deadlock():
+    # the engine process blocks sending outputs the event loop has not read (the loop was busy); the loop, which
+    # alone reads them, must not then block sending a submission larger than the pipe holds
+    core = EngineCore(FAKE_MODEL, {"step_s": 0.0005}, engine_class=FakeEngine)
+    core.start()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        async def attach():
+            core.attach(asyncio.get_running_loop())
+        asyncio.run_coroutine_threadsafe(attach(), loop).result(10)
+
+        def submit(prompts, logprobs=None):
+            sub = Submission(prompts, [SamplingParams(max_tokens=10 ** 6, ignore_eos=True, logprobs=logprobs)]
+                             * len(prompts), asyncio.Queue(), loop, time.monotonic())
+            return core.submit(sub)
+
+        async def flood_then_submit_big():
+            flood = submit([[5 + i] for i in range(32)], logprobs=20)   # outputs of several kB a step
+            time.sleep(1.0)   # the loop busy: the engine process fills the pipe with outputs and blocks
+            return flood, submit([[7] * 2_000_000])   # megabytes to send
+        flood, big = asyncio.run_coroutine_threadsafe(flood_then_submit_big(), loop).result(30)
+        assert len(flood.result(30)) == 32 and len(big.result(30)) == 1
+    except BaseException:
+        core._process.kill()   # a deadlocked pipe: its ends freed, so that the test fails rather than hangs
+        raise
+    finally:
+        try:
+            core.stop()
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+            loop.close()
+    assert core._process.exitcode == 0
 
 
 def test_a_serving_process_runs_on_a_settled_heap_and_ends_with_it_unfrozen():
