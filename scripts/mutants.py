@@ -517,7 +517,8 @@ MUTANTS = [
            "taken"),
     Mutant("serve_core_loop_sends_itself", "chunkwise/serve/engine_core.py",
            "        self._outbox.put(message)\n        return True\n",
-           "        self._conn.send(message)\n        return True\n",
+           "        try:\n            self._conn.send(message)\n        except (OSError, ValueError):\n"
+           "            return False\n        return True\n",
            "the event loop writes to the engine process's pipe itself: a submission larger than the pipe holds, sent "
            "while the engine process waits for the loop to read its outputs, deadlocks both"),
     Mutant("serve_heap_not_settled", "chunkwise/serve/engine_core.py",
