@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -175,17 +176,28 @@ def test_an_engine_process_that_dies_fails_its_requests_then_the_server_answers_
         assert r.status_code == 503
 
 
-def test_stopping_while_an_event_loop_still_receives_takes_the_pipe_from_it(tiny_ckpt_with_byte_tokenizer):
-    # a server whose loop ended without detaching would otherwise leave two readers on one pipe
-    core = EngineCore(tiny_ckpt_with_byte_tokenizer, KW)
-    core.start()
+@contextmanager
+def receiving_loop(core):
+    """An event loop on a thread of its own (a server's, without the server) that receives `core`'s messages."""
     loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever)
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     try:
         async def attach():
             core.attach(asyncio.get_running_loop())
         asyncio.run_coroutine_threadsafe(attach(), loop).result(10)
+        yield loop
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def test_stopping_while_an_event_loop_still_receives_takes_the_pipe_from_it(tiny_ckpt_with_byte_tokenizer):
+    # a server whose loop ended without detaching would otherwise leave two readers on one pipe
+    core = EngineCore(tiny_ckpt_with_byte_tokenizer, KW)
+    core.start()
+    with receiving_loop(core) as loop:
         outs = asyncio.Queue()
         sub = Submission([[5, 6, 7]], [SamplingParams(max_tokens=LONG, ignore_eos=True)], outs, loop,
                          time.monotonic())
@@ -202,10 +214,6 @@ def test_stopping_while_an_event_loop_still_receives_takes_the_pipe_from_it(tiny
             _, out = outs.get_nowait()
             finished += [out.finish_reason] if out.finished else []
         assert finished == ["abort"], (rids, finished)
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
 
 
 def test_a_large_submission_while_the_engine_waits_for_the_server_to_read_does_not_deadlock():
@@ -213,14 +221,7 @@ def test_a_large_submission_while_the_engine_waits_for_the_server_to_read_does_n
     # alone reads them, must not then block sending a submission larger than the pipe holds
     core = EngineCore(FAKE_MODEL, {"step_s": 0.0005}, engine_class=FakeEngine)
     core.start()
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        async def attach():
-            core.attach(asyncio.get_running_loop())
-        asyncio.run_coroutine_threadsafe(attach(), loop).result(10)
-
+    with receiving_loop(core) as loop:
         def submit(prompts, logprobs=None):
             sub = Submission(prompts, [SamplingParams(max_tokens=10 ** 6, ignore_eos=True, logprobs=logprobs)]
                              * len(prompts), asyncio.Queue(), loop, time.monotonic())
@@ -230,18 +231,14 @@ def test_a_large_submission_while_the_engine_waits_for_the_server_to_read_does_n
             flood = submit([[5 + i] for i in range(32)], logprobs=20)   # outputs of several kB a step
             time.sleep(1.0)   # the loop busy: the engine process fills the pipe with outputs and blocks
             return flood, submit([[7] * 2_000_000])   # megabytes to send
-        flood, big = asyncio.run_coroutine_threadsafe(flood_then_submit_big(), loop).result(30)
-        assert len(flood.result(30)) == 32 and len(big.result(30)) == 1
-    except BaseException:
-        core._process.kill()   # a deadlocked pipe: its ends freed, so that the test fails rather than hangs
-        raise
-    finally:
         try:
-            core.stop()
+            flood, big = asyncio.run_coroutine_threadsafe(flood_then_submit_big(), loop).result(30)
+            assert len(flood.result(30)) == 32 and len(big.result(30)) == 1
+        except BaseException:
+            core._process.kill()   # a deadlocked pipe: its ends freed, so that the test fails rather than hangs
+            raise
         finally:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(10)
-            loop.close()
+            core.stop()
     assert core._process.exitcode == 0
 
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from chunkwise.chunks import Chunk
 from chunkwise.sampling import SamplingParams
-from chunkwise.tokenizer import all_ints
+from chunkwise.tokenizer import all_ints, is_single_prompt
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
                 500: "server_error", 503: "server_error"}
@@ -142,8 +142,9 @@ class CompletionRequest(_GenerationRequest):
         p = self.prompt
         if p is None:
             raise bad_request("prompt is required", "prompt")
-        # all_ints: a prompt of thousands of ids is checked on the event loop, which meanwhile streams no token
-        if isinstance(p, str) or (isinstance(p, list) and p and all_ints(p)):
+        # at C speed (all_ints): a prompt of thousands of ids is checked on the event loop, which meanwhile streams no
+        # token
+        if is_single_prompt(p):
             return [p]
         if isinstance(p, list) and p and all(isinstance(x, str) or (isinstance(x, list) and all_ints(x)) for x in p):
             return p
