@@ -47,9 +47,16 @@ def compile_launch(fn, args, kwargs) -> dict:
     kwargs = dict(kwargs)
     options = {k: kwargs.pop(k) for k in OPTIONS if k in kwargs}
     bound = dict(zip(fn.arg_names, args), **kwargs)
-    signature, constexprs = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
     for i, param in enumerate(fn.params):
         value = bound[param.name]
+        # Triton's launcher tells the compiler which pointers and integers are multiples of 16, as here: without
+        # that the loads are not vectorised or pipelined through shared memory, which then reads a third of its
+        # real use (the 64-row decode tiles: 48 KB against 144 KB measured on an H200).
+        if isinstance(value, torch.Tensor) and value.data_ptr() % 16 == 0 or (
+                type(value) is int and value % 16 == 0 and not param.is_constexpr
+                and i not in fn.do_not_specialize and param.name not in fn.do_not_specialize):
+            attrs[(i,)] = [["tt.divisibility", 16]]
         if param.is_constexpr or value is None:   # Triton passes None as a constant, as for a constexpr
             signature[param.name] = "constexpr"
             constexprs[(i,)] = value
@@ -61,8 +68,10 @@ def compile_launch(fn, args, kwargs) -> dict:
             signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
         else:
             raise TypeError(f"{fn.__name__}: no signature type for {param.name}={value!r}")
-    compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=HOPPER, options=options)
-    tiles = {k: bound[k] for k in ("BLOCK_M", "BLOCK_H", "BLOCK_N", "EXPLICIT_POSITIONS", "SPLIT_TILES") if k in bound}
+    compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs), target=HOPPER,
+                              options=options)
+    tiles = {k: bound[k] for k in ("BLOCK_M", "BLOCK_H", "BLOCK_N", "BLOCK_K", "EXPLICIT_POSITIONS",
+                                   "SPLIT_TILES", "ONE_TOKEN") if k in bound}
     return dict(kernel=fn.__name__, shared=compiled.metadata.shared, **tiles, **options)
 
 
