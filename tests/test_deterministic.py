@@ -2,6 +2,8 @@
 chunk boundaries, page size, arrival order, preemption or on whether prefill, decode or a recompute wrote it;
 and the default mode, whose GEMMs are torch's BLAS, does depend on them here (the tests have the power to see it).
 """
+import importlib
+
 import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
@@ -64,6 +66,27 @@ def test_matmul_matches_reference_and_a_rows_bits_ignore_the_other_rows(m, n, k,
     lo = data.draw(st.integers(0, m - 1)) if data else m - 1
     hi = data.draw(st.integers(lo + 1, m)) if data else m
     assert torch.equal(matmul(x[lo:hi], w), out[lo:hi]), f"rows {lo}:{hi} of {m} changed bits when computed alone"
+
+
+# Qwen3-0.6B's weights and a 1/8-head shard of a 70B's, on 132 SMs (H100 SXM, H200) and 114 (H100 PCIe).
+@pytest.mark.parametrize("sms", [132, 114])
+@pytest.mark.parametrize("n, k", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024),
+                                  (1280, 8192), (8192, 1024), (7168, 8192)])
+def test_matmul_tiles_for_any_row_count_are_warpgroup_tiles_and_the_warm_up_meets_each(monkeypatch, sms, n, k):
+    """What the GPU's bitwise test cannot see off a GPU: at any row count the chosen tile keeps the MMA chain
+    (at least one 64-row warpgroup, 16-aligned K tiles: module docstring), and the warm-up's row counts reach every
+    tile that steps of up to max_m rows take."""
+    mm = importlib.import_module("chunkwise.kernels.matmul")   # the package re-exports the function of this name
+    monkeypatch.setattr(mm, "sm_count", lambda device: sms)
+    max_m = 9000
+    for dtype in (torch.bfloat16, torch.float16):
+        used = {mm.matmul_config(n, k, dtype, "cuda", m) for m in range(1, max_m + 1)}
+        for block_m, block_n, block_k, warps, stages in used:
+            assert block_m % 64 == 0 and warps % 4 == 0 and block_k % 16 == 0 and warps * 16 <= block_m, \
+                (block_m, block_n, block_k, warps, stages)
+        warmed = {mm.matmul_config(n, k, dtype, "cuda", m) for m in mm.config_changes(n, k, dtype, "cuda", max_m)}
+        assert warmed == used
+        assert len(used) > 1, "no row count changes the tile: the test would not see a warm-up that misses one"
 
 
 def test_matmul_refuses_mismatched_operands():

@@ -9,6 +9,7 @@ from hypothesis import example, given, settings
 from chunkwise.checkpoints import tiny_checkpoint
 from deterministic_cases import Arrival, Case, assert_bitwise, cases, run_case, solo_run
 from chunkwise.kernels import matmul, matmul_ref
+from chunkwise.kernels.matmul import config_changes, matmul_config
 
 pytestmark = pytest.mark.gpu
 
@@ -43,14 +44,21 @@ def qwen():
 
 @pytest.mark.parametrize("n, k", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024), (200, 72)])
 def test_matmul_rows_are_bitwise_whatever_the_row_count(n, k):
+    """Row counts from 1 to 2100 take every tile that matmul_config chooses for these weights (its tiles grow
+    with the rows), and each gives a row the same bits."""
+    rows = 2100
     gen = torch.Generator(device="cuda").manual_seed(n + k)
-    x = torch.randn(700, k, device="cuda", generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
     w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).to(torch.bfloat16)
-    full = torch.full((700, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    full = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     matmul(x, w, out=full)
     torch.testing.assert_close(full, matmul_ref(x, w), atol=2e-2, rtol=1e-2)
-    for lo, hi in [(0, 1), (5, 6), (3, 67), (64, 128), (100, 612), (0, 699)]:
-        assert torch.equal(matmul(x[lo:hi], w), full[lo:hi]), f"rows {lo}:{hi} of 700 changed bits (n={n}, k={k})"
+    changes = config_changes(n, k, x.dtype, "cuda", rows)
+    slices = [(0, 1), (5, 6), (3, 67), (64, 128)] + [(rows - m, rows) for m in changes]
+    configs = {matmul_config(n, k, x.dtype, "cuda", hi - lo) for lo, hi in slices}
+    assert configs == {matmul_config(n, k, x.dtype, "cuda", m) for m in range(1, rows + 1)}, "a tile left untested"
+    for lo, hi in slices + [(100, 612), (0, rows - 1)]:
+        assert torch.equal(matmul(x[lo:hi], w), full[lo:hi]), f"rows {lo}:{hi} of {rows} changed bits (n={n}, k={k})"
 
 
 # Tight: the 130-token prompt and the 37-token one cannot both hold their pages; decodes past 128 tokens.

@@ -10,8 +10,8 @@ layers need, so the runner can replay those as a CUDA graph (`forward`'s `tail`)
 
 Deterministic mode (`deterministic=True`): every op on a token's path gives that token the same bits whatever its
 batch-mates, chunk boundaries or page size, and whether prefill, decode or a recompute computes it. The GEMMs take
-`chunkwise.kernels.matmul` (tiles fixed per weight, no split-K) instead of torch's M-dependent BLAS; decodes take the
-single-pass `paged_attention` that prefill rows take, not split-KV. Norms, RoPE+store and the activation already
+`chunkwise.kernels.matmul` (no split-K, tiles that keep a row's MMA chain) instead of torch's M-dependent BLAS;
+decodes take the single-pass `paged_attention` that prefill rows take, not split-KV. Norms, RoPE+store and the activation already
 keep a row's bits (their rows per program depend on the width only), and RoPE's cos/sin are elementwise.
 
 Tensor parallelism (`tp`, see chunkwise/engine/parallel/tensor_parallel.py): the weights are one rank's shard; the
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from chunkwise.model_config import ModelConfig
 from chunkwise.kernels import (CascadeGroups, act_and_mul, add_rms_norm, cascade_decode, matmul, paged_attention, rms_norm,
                      rope_cos_sin, rope_store, split_kv_decode)
+from chunkwise.kernels.matmul import config_changes
 from chunkwise.kernels.paged_attention import paged_split_workspace
 from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE, SplitWorkspace, num_splits_for, split_workspace
 from chunkwise.engine.blend import BlendInputs, select_rows
@@ -286,6 +287,17 @@ class Model:
             return None
         return paged_split_workspace(p, self._heads()[0], self.embed.dtype, k_cache, inp.page_tables,
                                      PREFILL_SPLIT_SIZE, max_rows=PREFILL_SPLIT_TILE_ROWS)
+
+    def warm_up_deterministic(self, max_rows: int, kv_caches: LayerCaches) -> None:
+        """Deterministic mode: compiles what the eager warm-up's small steps do not reach, so that none compiles
+        inside a user's step: one product per tile that a step of up to max_rows rows takes (matmul_config grows
+        its tiles with the rows)."""
+        if not self.deterministic:
+            return
+        lw = self.layers[0]
+        for w in (lw["qkv"], lw["o"], lw["gate_up"], lw["down"], self.lm_head):
+            for m in config_changes(w.shape[0], w.shape[1], w.dtype, w.device, max_rows):
+                matmul(torch.zeros(m, w.shape[1], dtype=w.dtype, device=w.device), w)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x @ w.T for a weight w [out, in]: batch-invariant in deterministic mode, torch's BLAS otherwise."""

@@ -4,18 +4,24 @@ Layouts:
     x:    [M, K], row-major (the activations; M = tokens of the step, any number)
     w:    [N, K], row-major (a Linear weight as HF stores it)
     out:  [M, N], row-major, x's dtype; accumulated in float32, rounded once
-The tile shape (BLOCK_M, BLOCK_N, BLOCK_K) and warps depend only on (N, K, dtype, device), never on M; there is
-no split-K, and every program folds its K tiles in increasing order. So each output element is the same sum in
-the same order whatever M is, and a token's projection is bitwise the same in a 1-row decode step and a 512-row
-prefill chunk. cuBLAS and the CPU BLAS pick their kernel (and with it the reduction order) by M, which is why the
-engine's deterministic mode uses this instead. M is not specialised by Triton (`do_not_specialize`), so a batch of
-1 or a multiple of 16 rows runs the very same compiled code.
+There is no split-K, and every program folds its K tiles in increasing order, each tile's product accumulating
+into the output's float32 registers. So each output element is the same chain of MMA steps (K in steps of 16 for
+16-bit floats) whatever M is, and a token's projection is bitwise the same in a 1-row decode step and a 512-row
+prefill chunk. cuBLAS and the CPU BLAS pick their kernel (and with it the reduction order, split-K included) by
+M, which is why the engine's deterministic mode uses this instead.
+
+The tile shape may grow with M (`matmul_config`): larger tiles for steps that fill the GPU with them. Only tiles
+that keep that chain are chosen: at least 64 rows and 4 warps, so that on Hopper every one lowers to the same
+warpgroup MMA (wgmma). Measured on an H200 (bf16, Qwen3-0.6B's five weights, 1 to 8192 rows): 14 tile shapes from
+64x32 to 256x128, K tiles of 64 and 128, 4 and 8 warps, 3 and 4 stages gave every output bitwise alike
+(tests/test_deterministic_gpu.py checks the chosen ones). M is not specialised by Triton (`do_not_specialize`),
+so within a tile shape any row count runs the very same compiled code.
 """
 import torch
 import triton
 import triton.language as tl
 
-from chunkwise.kernels.tiling import cast, cdiv, check_float, dot, INTERPRET, precision_for
+from chunkwise.kernels.tiling import cast, cdiv, check_float, dot, INTERPRET, precision_for, sm_count
 
 
 def matmul_ref(x, w):
@@ -24,19 +30,44 @@ def matmul_ref(x, w):
     return (x.float() @ w.float().t()).to(x.dtype)
 
 
-def matmul_config(n: int, k: int, dtype: torch.dtype, device) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for a weight [n, k]: a function of the weight alone.
+# Tiles for steps of at least 128 rows, largest first, each taken when it alone gives every SM a program. On an H200
+# (bf16, Qwen3-0.6B's weights) the largest took 0.45-0.68x the 64-row tile's time at 2048-8192 rows (0.64x for the
+# LM head's 256), the 128x128 0.69x at 2048 rows of the 1024-wide o_proj; cuBLAS takes 0.67-0.87x of theirs.
+WIDE_TILES = ((128, 256, 64, 8, 3), (128, 128, 64, 8, 3))
 
-    GPU: 64 rows per tile (one Hopper warpgroup MMA), so a decode batch of up to 64 rows takes one row-tile;
-    narrow weights (o_proj, down_proj) get narrow column tiles so that even a decode step spreads its weight
-    reads over a few dozen SMs. The interpreter: big tiles, since every program costs milliseconds of Python.
+
+def matmul_config(n: int, k: int, dtype: torch.dtype, device, m: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for x [m, k] @ w [n, k].T.
+
+    GPU: below 128 rows (decode steps), 64 rows per tile (one Hopper warpgroup MMA) and narrow column tiles for
+    narrow weights (o_proj, down_proj), so that even a decode step spreads its weight reads over a few dozen SMs.
+    From 128 rows, the largest of WIDE_TILES that still gives each SM a program. All of them keep a row's bits
+    (module docstring). float32 keeps one tile per weight: its TF32-free dots were not measured across tiles.
+    The interpreter: big tiles, since every program costs milliseconds of Python.
     """
     if torch.device(device).type != "cuda":
         return 64, 256, 64, 4, 1
     block_n = 128 if n >= 16384 else 64 if n >= 4096 else 32
     if dtype == torch.float32:
         return 64, block_n, 32, 4, 3
+    if m >= 128:
+        for tile in WIDE_TILES:
+            if cdiv(m, tile[0]) * cdiv(n, tile[1]) >= sm_count(device):
+                return tile
     return 64, block_n, 64, 4, 4
+
+
+def config_changes(n: int, k: int, dtype: torch.dtype, device, max_m: int) -> list[int]:
+    """The row counts up to max_m at which `matmul_config` takes another tile: one matmul of each compiles every
+    variant that row counts up to max_m use (a warm-up's)."""
+    candidates = [1, 128] + [tile[0] * (cdiv(sm_count(device), cdiv(n, tile[1])) - 1) + 1 for tile in WIDE_TILES]
+    rows, seen = [], set()
+    for m in sorted(c for c in candidates if c <= max_m):
+        config = matmul_config(n, k, dtype, device, m)
+        if config not in seen:
+            seen.add(config)
+            rows.append(m)
+    return rows
 
 
 def _check(x, w):
@@ -100,7 +131,7 @@ def matmul(x, w, out=None):
         raise ValueError(f"out must be a contiguous {x.dtype} [{m}, {n}], got {out.dtype} {tuple(out.shape)}")
     if m == 0:
         return out
-    block_m, block_n, block_k, num_warps, num_stages = matmul_config(n, k, x.dtype, x.device)
+    block_m, block_n, block_k, num_warps, num_stages = matmul_config(n, k, x.dtype, x.device, m)
     grid = (cdiv(n, block_n), cdiv(m, block_m))
     _matmul_kernel[grid](x, w, out, m, N=n, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                          PRECISION=precision_for(x.dtype), num_warps=num_warps, num_stages=num_stages)

@@ -7,6 +7,7 @@ interpreter: every program costs milliseconds of Python, so a program takes as m
 handles without strain. Either way the count depends only on the row width and the device, never on the
 number of rows, so a row's result does not depend on its batch-mates.
 """
+import functools
 import os
 
 import torch
@@ -25,6 +26,13 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (1 for n < 1), for host code (see cdiv)."""
     return 1 if n < 1 else 1 << (n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device (0 elsewhere)."""
+    device = torch.device(device)
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 def block_rows(row_elements: int, device) -> int:
