@@ -1,9 +1,11 @@
-"""Compiles the attention kernels for Hopper (sm_90) on a machine without a GPU, as their launchers configure
-them there, and prints each one's shared memory; `test_kernels_compile.py` runs it in its own process.
+"""Compiles the attention kernels and the deterministic matmul for Hopper (sm_90) on a machine without a GPU, as
+their launchers configure them there, and prints each one's shared memory; `test_kernels_compile.py` runs it in
+its own process.
 
 The CPU suite runs the kernels through Triton's interpreter, which never compiles them: a GPU-only mistake (a
 tile that outgrows shared memory, code the compiler rejects) would otherwise first show on a GPU. Each launcher
-is called on small CPU tensors with Hopper's shared memory assumed (227 KB a block), its kernel launch is
+is called on small CPU tensors with Hopper's shared memory and SM count assumed (227 KB a block, 132), its kernel
+launch is
 caught before anything runs, and the caught arguments (the launcher's tile config included) are compiled with
 triton.compile for sm_90; each must fit Hopper's shared memory. That proves the kernels compile and fit, not
 their numbers (the GPU tests do that).
@@ -23,10 +25,11 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from chunkwise.kernels import (cascade_decode, cascade_groups, cascade_item_size, paged_attention,  # noqa: E402
-                     split_kv_decode)
+from chunkwise.kernels import (cascade_decode, cascade_groups, cascade_item_size, matmul, paged_attention,  # noqa: E402
+                               paged_decode, split_kv_decode)
 from chunkwise.kernels.testing import paginate, query_start_loc, random_kv  # noqa: E402
 
+MATMUL = importlib.import_module("chunkwise.kernels.matmul")   # the package re-exports the function of this name
 HOPPER = GPUTarget("cuda", 90, 32)
 HOPPER_SHARED_MEMORY = 227 * 1024
 OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
@@ -96,8 +99,11 @@ def cases():
     yield "paged_attention bf16 16q/8kv d128 split context", lambda: paged_attention(
         q, c.k_cache, c.v_cache, c.page_tables, c.seq_lens, query_start_loc([1, 1]), 0.1, split_size=512,
         max_rows=128)
-    yield "paged_attention bf16 16q/8kv d128 deterministic decodes", lambda: paged_attention(
-        q, c.k_cache, c.v_cache, c.page_tables, c.seq_lens, query_start_loc([1, 1]), 0.1, max_rows=64)
+    yield "paged_decode bf16 16q/8kv d128 (deterministic decodes)", lambda: paged_decode(
+        q, c.k_cache, c.v_cache, c.page_tables, c.seq_lens, 0.1, max_rows=64)
+    q4, c4 = _batch(16, 8, 128, torch.bfloat16, [50 + i for i in range(40)], gen)
+    yield "paged_decode bf16 16q/8kv d128, 40 sequences (busy: unpipelined)", lambda: paged_decode(
+        q4, c4.k_cache, c4.v_cache, c4.page_tables, c4.seq_lens, 0.1, max_rows=64)
     q2, c2 = _batch(8, 1, 256, torch.float32, [600, 40], gen)
     yield "split_kv_decode fp32 8q/1kv d256", lambda: split_kv_decode(
         q2, c2.k_cache, c2.v_cache, c2.page_tables, c2.seq_lens, 0.1, sliding_window=512, split_size=512)
@@ -112,10 +118,19 @@ def cases():
     q3 = torch.randn(len(own), 16, 128, generator=gen).to(torch.bfloat16)
     yield "cascade_decode bf16 16q/8kv d128", lambda: cascade_decode(
         q3, c3.k_cache, c3.v_cache, tables, c3.seq_lens, groups, 0.1, split_size=512)
+    w = torch.randn(4096, 1024, generator=gen).to(torch.bfloat16)
+    for m in MATMUL.config_changes(4096, 1024, torch.bfloat16, "cuda", 8192):
+        yield f"matmul bf16 [{m}, 1024] @ [4096, 1024].T", lambda m=m: matmul(torch.randn(m, 1024).to(w.dtype), w)
 
 
 def main():
-    importlib.import_module("chunkwise.kernels.paged_attention").shared_memory = lambda device: HOPPER_SHARED_MEMORY
+    attention = importlib.import_module("chunkwise.kernels.paged_attention")
+    attention.shared_memory = lambda device: HOPPER_SHARED_MEMORY
+    attention.sm_count = lambda device: 132
+    # The matmul's tiles as on an H100 SXM or H200 (132 SMs), chosen as for a CUDA tensor.
+    MATMUL.sm_count = lambda device: 132
+    config = MATMUL.matmul_config
+    MATMUL.matmul_config = lambda n, k, dtype, device, m: config(n, k, dtype, "cuda", m)
     JITFunction.run = _catch
     for name, launch in cases():
         LAUNCHES.clear()

@@ -10,7 +10,7 @@ from hypothesis import example, given, settings, strategies as st
 
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from deterministic_cases import Arrival, Case, assert_bitwise, cases, run_case, solo_run
-from chunkwise.kernels import matmul, matmul_ref, paged_attention
+from chunkwise.kernels import matmul, matmul_ref, paged_attention, paged_decode
 from chunkwise.kernels.testing import DTYPES
 import chunkwise.engine.model
 from chunkwise.engine import Engine, SamplingParams
@@ -147,21 +147,27 @@ FIRST_STEP = sum(PROMPT_LENS[:2])   # prefill rows of the test's first step: bot
 
 
 @pytest.mark.parametrize("deterministic, split_rows, calls", [
-    (True, 512, {(128, None), (64, None)}),     # one pass: prefill in 128-row tiles, decodes in 64 (same bits)
-    (False, FIRST_STEP, {(128, 512)}),          # a step of exactly PREFILL_SPLIT_ROWS rows splits, in 128-row tiles
-    (False, FIRST_STEP - 1, {(256, None)}),     # one row more than it takes one pass, in up to 256 rows
+    # one pass: prefill in 256-row tiles, decodes on their own path in 64 (the same bits)
+    (True, 512, {("paged_attention", 256, None), ("paged_decode", 64, None)}),
+    # a step of exactly PREFILL_SPLIT_ROWS rows splits, in 128-row tiles
+    (False, FIRST_STEP, {("paged_attention", 128, 512)}),
+    # one row more than it takes one pass, in up to 256 rows
+    (False, FIRST_STEP - 1, {("paged_attention", 256, None)}),
 ])
 def test_attention_tiles_and_context_splits_by_mode_and_step(ckpt, prompts, monkeypatch, deterministic, split_rows,
                                                             calls):
     # Deterministic decodes take the prefill's key tiles in one warpgroup's rows (the same bits), and its prefill
-    # never splits (a token's bits must not depend on the step); the default mode's one pass may take 256 rows on
-    # Hopper (the CPU's interpreter takes 128 either way).
+    # never splits (a token's bits must not depend on the step); one pass may take 256 rows on Hopper (the CPU's
+    # interpreter takes 128 either way). The default mode's decodes are split-KV.
     seen = set()
 
-    def recording(*args, max_rows, split_size=None, **kwargs):
-        seen.add((max_rows, split_size))
-        return paged_attention(*args, max_rows=max_rows, split_size=split_size, **kwargs)
-    monkeypatch.setattr(chunkwise.engine.model, "paged_attention", recording)
+    def recording(fn):
+        def record(*args, max_rows, split_size=None, **kwargs):
+            seen.add((fn.__name__, max_rows, split_size))
+            return fn(*args, max_rows=max_rows, **({"split_size": split_size} if split_size else {}), **kwargs)
+        return record
+    monkeypatch.setattr(chunkwise.engine.model, "paged_attention", recording(paged_attention))
+    monkeypatch.setattr(chunkwise.engine.model, "paged_decode", recording(paged_decode))
     monkeypatch.setattr(chunkwise.engine.model, "PREFILL_SPLIT_ROWS", split_rows)
     eng = Engine(ckpt, deterministic=deterministic, max_model_len=MAX_MODEL_LEN, split_kv_threshold=0)
     eng.generate(prompts[:2], SamplingParams(max_tokens=3))

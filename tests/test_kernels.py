@@ -10,7 +10,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from chunkwise.kernels import paged_attention, paged_attention_ref
+from chunkwise.kernels import paged_attention, paged_attention_ref, paged_decode, paged_decode_ref
 from chunkwise.kernels.testing import DTYPES, TOLERANCE, paginate, query_start_loc, random_kv, rising_scores
 
 pytestmark = pytest.mark.correctness
@@ -75,6 +75,35 @@ def test_paged_attention_matches_reference(heads, head_dim, page_size, seqs, win
 
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, **TOLERANCE[dtype])
+
+
+@given(heads=st.sampled_from(HEADS), head_dim=st.sampled_from(HEAD_DIMS), page_size=st.integers(1, 64),
+       lens=st.lists(st.integers(1, 150), min_size=1, max_size=4), window=st.none() | st.integers(1, 80),
+       dtype=st.sampled_from(DTYPES), max_rows=st.sampled_from([64, 128, 256]), seed=st.integers(0, 2**16))
+@example(heads=(14, 2), head_dim=64, page_size=16, lens=[130, 1, 17], window=None, dtype=torch.bfloat16, max_rows=64,
+         seed=1)
+def test_paged_decode_gives_paged_attentions_bits_for_one_query_per_sequence(heads, head_dim, page_size, lens, window,
+                                                                            dtype, max_rows, seed, device):
+    """paged_decode takes program s as sequence s instead of searching query_start_loc: the same rows, the same
+    bits, and its reference agrees."""
+    num_heads, num_kv_heads = heads
+    gen = torch.Generator().manual_seed(seed)
+    cache = paginate([random_kv(n, num_kv_heads, head_dim, dtype, gen, device) for n in lens], page_size, gen)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype).to(device)
+    args = (q, cache.k_cache, cache.v_cache, cache.page_tables, cache.seq_lens)
+    scale = head_dim ** -0.5
+    out = paged_decode(*args, scale, sliding_window=window, out=torch.full_like(q, float("nan")), max_rows=max_rows)
+    single = paged_attention(*args, query_start_loc([1] * len(lens), device), scale, sliding_window=window,
+                             max_rows=max_rows)
+    assert torch.equal(out, single)
+    torch.testing.assert_close(out, paged_decode_ref(*args, scale, sliding_window=window), **TOLERANCE[dtype])
+
+
+def test_paged_decode_refuses_other_than_one_query_per_sequence():
+    q, cache, _ = _small_case()
+    for fn in (paged_decode, paged_decode_ref):
+        with pytest.raises(ValueError, match="one query per sequence: q has 3 rows for 1 sequences"):
+            fn(q, cache.k_cache, cache.v_cache, cache.page_tables, cache.seq_lens, 0.125)
 
 
 def _chunk_ends(data, length):
@@ -195,6 +224,10 @@ def test_tiles_take_256_rows_only_where_shared_memory_holds_them_and_64_on_three
             for group in (2, 4, 8) for smem in (0, 164 * 1024, 227 * 1024)] == [
         (64, 128, 4, 2), (64, 128, 4, 2), (64, 128, 4, 3)] * 3
     assert pa.tile_config(128, 2, torch.float16, 227 * 1024, max_rows=64) == (64, 128, 4, 3)
+    # busy decode batches load unpipelined, two blocks an SM, where the third stage would be taken
+    assert [pa.tile_config(128, 2, torch.bfloat16, smem, max_rows=64, busy=True)
+            for smem in (0, 164 * 1024, 227 * 1024)] == [(64, 128, 4, 2), (64, 128, 4, 2), (64, 128, 4, 1)]
+    assert pa.tile_config(128, 2, torch.bfloat16, 227 * 1024, busy=True) == (256, 128, 8, 2)
     # a GQA group needs its rows, and 128 of them keep two stages (three would not fit)
     assert [pa.tile_config(128, 128, torch.bfloat16, smem, max_rows=64)
             for smem in (0, 227 * 1024)] == [(128, 128, 4, 2)] * 2

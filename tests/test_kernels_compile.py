@@ -1,4 +1,5 @@
-"""The attention kernels' GPU path compiles for Hopper (sm_90) and fits its shared memory, checked on any machine
+"""The attention kernels' and the deterministic matmul's GPU path compiles for Hopper (sm_90) and fits its shared
+memory, checked on any machine
 (tests/hopper_compile.py, in its own process: the rest of the CPU suite runs the kernels through Triton's
 interpreter, which compiles nothing)."""
 import json
@@ -7,17 +8,28 @@ import subprocess
 import sys
 from pathlib import Path
 
+HOPPER_SHARED_MEMORY = 228 * 1024   # an H100/H200 SM's, of which a block may take 227 KB
 
-def test_attention_kernels_compile_for_hopper_and_fit_its_shared_memory():
+
+def test_attention_kernels_and_matmul_compile_for_hopper_and_fit_its_shared_memory():
     script = Path(__file__).with_name("hopper_compile.py")
     env = dict(os.environ, TRITON_INTERPRET="0")
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
     # The script fails on a compile error or a kernel past Hopper's shared memory, naming it.
     assert proc.returncode == 0, f"compiling for sm_90 failed:\n{proc.stderr[-4000:]}"
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert {r["kernel"] for r in rows} == {"_paged_attention_kernel", "_split_kernel", "_shared_split_kernel"}
+    assert {r["kernel"] for r in rows} == {"_paged_attention_kernel", "_split_kernel", "_shared_split_kernel",
+                                           "_matmul_kernel"}
     # The launcher took its Hopper tiles (the interpreter's 128 rows would not prove them), with implicit positions
-    # and with explicit ones; the split context's 128-row tiles, 4 key tiles a split; deterministic decodes' 64.
-    assert [(r["BLOCK_M"], r["EXPLICIT_POSITIONS"], r["SPLIT_TILES"]) for r in rows
-            if r["kernel"] == "_paged_attention_kernel"] == [(256, False, 0), (256, True, 0), (128, False, 4),
-                                                             (64, False, 0)]
+    # and with explicit ones; the split context's 128-row tiles, 4 key tiles a split; deterministic decodes' 64, one
+    # program a sequence, on three stages and, in a busy batch, one.
+    assert [(r["BLOCK_M"], r["EXPLICIT_POSITIONS"], r["SPLIT_TILES"], r["ONE_TOKEN"], r["num_stages"]) for r in rows
+            if r["kernel"] == "_paged_attention_kernel"] == [(256, False, 0, False, 2), (256, True, 0, False, 2),
+                                                             (128, False, 4, False, 2), (64, False, 0, True, 3),
+                                                             (64, False, 0, True, 1)]
+    # Two blocks an SM where the batch is busy: the point of its one stage.
+    busy = [r for r in rows if r["kernel"] == "_paged_attention_kernel" and r["num_stages"] == 1]
+    assert 2 * busy[0]["shared"] <= HOPPER_SHARED_MEMORY, busy
+    # The matmul's decode tile and both wide ones (the interpreter's would not prove them).
+    assert [(r["BLOCK_M"], r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r["num_stages"]) for r in rows
+            if r["kernel"] == "_matmul_kernel"] == [(64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3)]

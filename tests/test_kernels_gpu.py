@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from chunkwise.kernels import (cascade_decode, cascade_groups, cascade_item_size, paged_attention, paged_attention_ref,
-                     relocate_kv, relocate_kv_ref, split_kv_decode, split_kv_decode_ref)
+                               paged_decode, relocate_kv, relocate_kv_ref, split_kv_decode, split_kv_decode_ref)
 from chunkwise.kernels.paged_attention import paged_split_workspace
 from chunkwise.kernels.testing import paginate, query_start_loc, random_kv
 from chunkwise.model_config import RopeConfig
@@ -91,14 +91,20 @@ def test_chunked_prefill_is_bitwise_equal_to_one_pass_across_page_sizes_and_batc
 
 @pytest.mark.parametrize("heads, kv_heads, sliding", [(16, 8, None), (32, 8, None), (8, 1, 300)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_64_row_tiles_give_the_128_row_tiles_bits_for_decodes_and_prefill_chunks(dtype, heads, kv_heads, sliding):
-    """Deterministic mode's decodes take 64-row tiles (three stages on Hopper) and its prefill 128: a token's bits
-    must not depend on which. (16- and 32-row tiles, whose dots lower to mma.sync on Hopper, failed this.)"""
+def test_64_row_tiles_give_the_128_and_256_row_tiles_bits_for_decodes_and_prefill_chunks(dtype, heads, kv_heads,
+                                                                                      sliding):
+    """Deterministic mode's decodes take 64-row tiles (`paged_decode`: one loop, unpipelined in busy batches, three
+    stages otherwise on Hopper) and its prefill 256 (128 off Hopper): a token's bits must not depend on which.
+    (16- and 32-row tiles, whose dots lower to mma.sync on Hopper, failed this.)"""
     for seqs in (MIXED, [(100 * i + 37, 1) for i in range(200)]):
         cache, q, q_lens, seq_lens = _mixed_batch(heads, kv_heads, 128, dtype, seqs, 16, seed=len(seqs))
         rows = [_attend(paged_attention, cache, q, q_lens, seq_lens, 128 ** -0.5, window=sliding, max_rows=m)
-                for m in (64, 128)]
-        assert torch.equal(*rows), f"{len(seqs)} sequences"
+                for m in (64, 128, 256)]
+        assert torch.equal(rows[0], rows[1]) and torch.equal(rows[0], rows[2]), f"{len(seqs)} sequences"
+        if all(n == 1 for n in q_lens):   # paged_decode's one loop: unpipelined at 8 KV heads (busy), not at 1
+            decode = paged_decode(q, cache.k_cache, cache.v_cache, cache.page_tables, cache.seq_lens, 128 ** -0.5,
+                                  sliding_window=sliding, max_rows=64)
+            assert torch.equal(decode, rows[0])
 
 
 def test_split_context_prefill_reuses_its_workspace_and_is_race_free():

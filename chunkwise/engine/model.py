@@ -11,8 +11,9 @@ layers need, so the runner can replay those as a CUDA graph (`forward`'s `tail`)
 Deterministic mode (`deterministic=True`): every op on a token's path gives that token the same bits whatever its
 batch-mates, chunk boundaries or page size, and whether prefill, decode or a recompute computes it. The GEMMs take
 `chunkwise.kernels.matmul` (no split-K, tiles that keep a row's MMA chain) instead of torch's M-dependent BLAS;
-decodes take the single-pass `paged_attention` that prefill rows take, not split-KV. Norms, RoPE+store and the activation already
-keep a row's bits (their rows per program depend on the width only), and RoPE's cos/sin are elementwise.
+decodes take the single pass that prefill rows take (`paged_decode`), not split-KV. Norms, RoPE+store and the
+activation already keep a row's bits (their rows per program depend on the width only), and RoPE's cos/sin are
+elementwise.
 
 Tensor parallelism (`tp`, see chunkwise/engine/parallel/tensor_parallel.py): the weights are one rank's shard; the
 embedding, o_proj and down_proj outputs are summed over the ranks (one all_reduce each; with the custom all-reduce,
@@ -33,9 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from chunkwise.model_config import ModelConfig
-from chunkwise.kernels import (CascadeGroups, act_and_mul, add_rms_norm, cascade_decode, matmul, paged_attention, rms_norm,
-                     rope_cos_sin, rope_store, split_kv_decode)
+from chunkwise.kernels import (CascadeGroups, act_and_mul, add_rms_norm, cascade_decode, matmul, paged_attention,
+                               paged_decode, rms_norm, rope_cos_sin, rope_store, split_kv_decode)
 from chunkwise.kernels.matmul import config_changes
+from chunkwise.kernels.tiling import cdiv, sm_count
 from chunkwise.kernels.paged_attention import paged_split_workspace
 from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE, SplitWorkspace, num_splits_for, split_workspace
 from chunkwise.engine.blend import BlendInputs, select_rows
@@ -86,10 +88,15 @@ PREFILL_SPLIT_SIZE = 512
 PREFILL_SPLIT_TILE_ROWS = 128   # the split launches' tile cap, and so their workspace's
 # A blend's rows after its check layers lie anywhere in the context, each query block spanning most of it.
 BLEND_SPLIT_ROWS = 1024
-# Deterministic decodes' tile rows: one warpgroup of the prefill's 128-key tiles, on three stages on Hopper
-# (tile_config). One-token queries leave taller tiles mostly padding; on an H100 decode batches took 15-17% less time
-# than on 128 rows, and the third stage took 9-18% off that (7-13% on an H200). Fewer rows (16, 32) would be faster
-# still, but their dots lower to mma.sync, not the prefill's wgmma, and gave other bits.
+# One-pass prefill tiles' rows (256 on Hopper, else 128: tile_config), in both modes: deterministic mode's decodes
+# on DETERMINISTIC_DECODE_ROWS give a row the bits of 128- and 256-row tiles alike (tile_config;
+# tests/test_kernels_gpu.py), so a token's bits do not depend on which computed it. On an H200 the 256-row tiles
+# took 0.91x the 128-row ones' time over three prefill chunks (300-4096 rows after 2-4k, 16q/8kv).
+PREFILL_TILE_ROWS = 256
+# Deterministic decodes' tile rows: one warpgroup of the prefill's 128-key tiles, on three stages on Hopper, one in
+# busy batches (tile_config, paged_decode). One-token queries leave taller tiles mostly padding; on an H100 decode
+# batches took 15-17% less time than on 128 rows, and the third stage took 9-18% off that (7-13% on an H200). Fewer
+# rows (16, 32) would be faster still, but their dots lower to mma.sync, not the prefill's wgmma, and gave other bits.
 DETERMINISTIC_DECODE_ROWS = 64
 
 
@@ -108,9 +115,6 @@ class Model:
         self.reduce_in_norm = (tp is not None and tp.custom is not None and not cfg.sandwich_norms
                                and not cfg.o_proj_bias)
         self.embed = weights["model.embed_tokens.weight"]
-        # Prefill tiles' rows. Deterministic mode keeps 128, whose bits its decodes' DETERMINISTIC_DECODE_ROWS
-        # share (tile_config; tests/test_kernels_gpu.py), so a token's bits do not depend on which computed it.
-        self.attention_rows = 128 if deterministic else 256
         # A mixed step's split-KV decodes (memory-bound) run on this stream beside its prefill attention
         # (compute-bound, one 256-row program per SM), on the SMs the prefill's last wave leaves idle (H200,
         # prefill-heavy benchmark: 69.5% -> 72.6% of its roofline; same tokens). None on the CPU, and in
@@ -217,10 +221,7 @@ class Model:
         # RoPE's cos/sin are elementwise in the positions: made once here for every layer (a selection narrows
         # them as it narrows the positions).
         rope = [rope_cos_sin(inp.positions, inv_freq) for inv_freq in self.inv_freqs]
-        # Deterministic mode: decodes go through paged_attention as one-token sequences.
-        decode_qsl = (torch.arange(inp.decode_seq_lens.shape[0] + 1, dtype=torch.int32, device=h.device)
-                      if self.deterministic else None)
-        split_decodes = decode_qsl is None and inp.decode_seq_lens.shape[0] > 0
+        split_decodes = not self.deterministic and inp.decode_seq_lens.shape[0] > 0
         workspace = self._split_workspace(inp, kv_caches[0][0]) if split_decodes else None
         prefill_workspace = self._prefill_workspace(inp, kv_caches[0][0], selecting=blend is not None)
         if blend is not None:
@@ -244,7 +245,7 @@ class Model:
                 rope = [(cos[keep], sin[keep]) for cos, sin in rope]
                 inp = replace(inp, input_ids=inp.input_ids[keep], positions=inp.positions[keep],
                               slot_mapping=inp.slot_mapping[keep], query_start_loc=check.query_start_loc)
-            h = self._attention(i, lw, q, inp, kv_caches[i], decode_qsl, workspace, prefill_workspace)
+            h = self._attention(i, lw, q, inp, kv_caches[i], workspace, prefill_workspace)
             if self.cfg.sandwich_norms:
                 x, residual = self._add_norm(h, residual, lw["pre_ff_norm"], lw["post_attn_norm"])
                 pending = lw["post_ff_norm"]
@@ -291,13 +292,23 @@ class Model:
     def warm_up_deterministic(self, max_rows: int, kv_caches: LayerCaches) -> None:
         """Deterministic mode: compiles what the eager warm-up's small steps do not reach, so that none compiles
         inside a user's step: one product per tile that a step of up to max_rows rows takes (matmul_config grows
-        its tiles with the rows)."""
+        its tiles with the rows), and busy decode batches (paged_decode's unpipelined tiles) for each window the
+        layers take. They read page 0 of layer 0 and write scratch."""
         if not self.deterministic:
             return
         lw = self.layers[0]
         for w in (lw["qkv"], lw["o"], lw["gate_up"], lw["down"], self.lm_head):
             for m in config_changes(w.shape[0], w.shape[1], w.dtype, w.device, max_rows):
                 matmul(torch.zeros(m, w.shape[1], dtype=w.dtype, device=w.device), w)
+        k_cache, v_cache = kv_caches[0]
+        heads, kv_heads = self._heads()
+        busy = cdiv(cdiv(2 * sm_count(k_cache.device), kv_heads), 16) * 16   # sequences: two programs an SM
+        for n in (busy, busy + 1):   # a multiple of 16 and not: Triton specialises the count on it
+            q = torch.zeros(n, heads, self.cfg.head_dim, dtype=k_cache.dtype, device=k_cache.device)
+            ones = torch.ones(n, dtype=torch.int32, device=q.device)
+            for window in {self.cfg.window(i) for i in range(self.cfg.num_layers)}:
+                paged_decode(q, k_cache, v_cache, torch.zeros_like(ones)[:, None], ones, self.cfg.attn_scale,
+                             sliding_window=window, max_rows=DETERMINISTIC_DECODE_ROWS)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x @ w.T for a weight w [out, in]: batch-invariant in deterministic mode, torch's BLAS otherwise."""
@@ -308,14 +319,14 @@ class Model:
         return out if self.tp is None or self.reduce_in_norm else self.tp.all_reduce(out)
 
     def _decode_attention(self, q: torch.Tensor, out: torch.Tensor, inp: StepInputs, kv, window: int | None,
-                          decode_qsl: torch.Tensor | None, workspace: SplitWorkspace | None) -> None:
-        """The decodes' attention into out: single-pass in deterministic mode (decode_qsl), else split-KV,
+                          workspace: SplitWorkspace | None) -> None:
+        """The decodes' attention into out: single-pass in deterministic mode (paged_decode), else split-KV,
         reading shared prefixes once where the step has cascade groups."""
         k_cache, v_cache = kv
         args = (q, k_cache, v_cache, inp.decode_page_tables, inp.decode_seq_lens)
-        if decode_qsl is not None:
-            paged_attention(*args, decode_qsl, self.cfg.attn_scale, sliding_window=window, out=out,
-                            max_rows=DETERMINISTIC_DECODE_ROWS)
+        if self.deterministic:
+            paged_decode(*args, self.cfg.attn_scale, sliding_window=window, out=out,
+                         max_rows=DETERMINISTIC_DECODE_ROWS)
         elif inp.cascade is not None:
             cascade_decode(*args, inp.cascade, self.cfg.attn_scale, sliding_window=window,
                            split_size=self.split_size, out=out, workspace=workspace)
@@ -344,8 +355,8 @@ class Model:
         return rope_store(self._linear(x, lw["qkv"]), lw.get("qkv_bias"), lw.get("q_norm"), lw.get("k_norm"), cos,
                           sin, inp.slot_mapping, k_cache, v_cache, cfg.rms_norm_eps, cfg.norm_plus_one)
 
-    def _attention(self, i: int, lw: dict, q: torch.Tensor, inp: StepInputs, kv, decode_qsl: torch.Tensor | None,
-                   workspace: SplitWorkspace | None, prefill_workspace: SplitWorkspace | None) -> torch.Tensor:
+    def _attention(self, i: int, lw: dict, q: torch.Tensor, inp: StepInputs, kv, workspace: SplitWorkspace | None,
+                   prefill_workspace: SplitWorkspace | None) -> torch.Tensor:
         cfg, t = self.cfg, q.shape[0]
         k_cache, v_cache = kv
         out = torch.empty_like(q)
@@ -357,12 +368,12 @@ class Model:
             side.wait_stream(torch.cuda.current_stream(q.device))
         if p < t:
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                self._decode_attention(q[p:], out[p:], inp, kv, window, decode_qsl, workspace)
+                self._decode_attention(q[p:], out[p:], inp, kv, window, workspace)
         if p:
             split = prefill_workspace is not None
             paged_attention(q[:p], k_cache, v_cache, inp.page_tables, inp.seq_lens, inp.query_start_loc,
                             cfg.attn_scale, sliding_window=window, out=out[:p],
-                            max_rows=PREFILL_SPLIT_TILE_ROWS if split else self.attention_rows,
+                            max_rows=PREFILL_SPLIT_TILE_ROWS if split else PREFILL_TILE_ROWS,
                             positions=inp.positions[:p] if inp.explicit_positions else None,
                             split_size=PREFILL_SPLIT_SIZE if split else None, workspace=prefill_workspace)
         if side is not None:

@@ -34,18 +34,18 @@ import triton.language as tl
 from chunkwise.kernels.attention_tile import (LOG2E, attend_ref, attend_tiles, check_cache, check_window, gather_kv_ref,
                                     pages_per_tile)
 from chunkwise.kernels.split_kv import SplitWorkspace, check_workspace
-from chunkwise.kernels.tiling import cast, cdiv, next_power_of_2, precision_for
+from chunkwise.kernels.tiling import cast, cdiv, next_power_of_2, precision_for, sm_count
 
 
 # A block's opt-in shared memory from which a GPU counts as Hopper-class here (H100/H200: 227 KB; A100: 164 KB):
-# the 256-row tiles were measured only there (their sm_90 build takes 96 KB, tests/hopper_compile.py).
+# the 256-row tiles were measured only there (their sm_90 build takes 192 KB, tests/hopper_compile.py).
 HOPPER_SHARED_MEMORY = 200 * 1024
 
 
-def tile_config(head_dim, group, dtype, shared_memory=0, max_rows=256):
+def tile_config(head_dim, group, dtype, shared_memory=0, max_rows=256, busy=False):
     """(BLOCK_M rows, BLOCK_N keys per tile, num_warps, num_stages) for a head_dim, GQA group size and dtype, on a
     device whose blocks may take `shared_memory` bytes (0: the CPU's interpreter); max_rows (64, 128 or 256) caps
-    the rows where the GQA group allows.
+    the rows where the GQA group allows. busy: a decode batch with programs enough for two an SM (`paged_decode`).
 
     Picked on an H200 by benchmarks/sweep_kernels.py (bf16, d128, 32q/8kv): 128x128 tiles with 8 warps ran
     chunked prefill at ~245 TFLOP/s against ~210 for 64x64. On Hopper the rows double to 256: over the
@@ -55,19 +55,28 @@ def tile_config(head_dim, group, dtype, shared_memory=0, max_rows=256):
     one-token queries, mostly padding in taller tiles: on an H100 decode batches took 15-17% less time on them
     than on 128 rows, with the same bits as 128 rows on every shape measured (decode batches and prefill chunks,
     16 and 32 query heads over 8), while larger prefill chunks were slower. On Hopper those 64-row tiles take three
-    stages (48 KB of shared memory in their sm_90 build, tests/hopper_compile.py; measured only there, so two
-    elsewhere): on an H100 (16q/8kv, CUDA-graph replays) 256 decodes at 100-2048 tokens took 537.2 us against 588.6
-    on two stages, 64 at 4096-8192 695.8 against 846.0, 16 at 1000 36.6 against 40.1 (an H200: 510.8 against 550.2,
-    665.2 against 767.4, 33.8 against 36.5), with the 128-row tiles' bits on every shape measured (stages pipeline
-    the loads; the arithmetic is the same). Tiles of 16 or 32 rows were faster still for decodes (409-421 us on the
-    first shape) but Triton lowers their dots to mma.sync rather than wgmma, and their bits differed from the
-    128-row tiles' on every batch measured. fp32 tiles of 128 rows overflow shared memory, and d256 keeps small
+    stages (144 KB of shared memory in their sm_90 build, as on two: tests/hopper_compile.py; measured only there,
+    so two elsewhere): on an H100 (16q/8kv, CUDA-graph replays) 256 decodes at 100-2048 tokens took 537.2 us against
+    588.6 on two stages, 64 at 4096-8192 695.8 against 846.0, 16 at 1000 36.6 against 40.1 (an H200: 510.8 against
+    550.2, 665.2 against 767.4, 33.8 against 36.5), with the 128-row tiles' bits on every shape measured (stages
+    pipeline the loads; the arithmetic is the same). Tiles of 16 or 32 rows were faster still for decodes (409-421 us
+    on the first shape) but Triton lowers their dots to mma.sync rather than wgmma, and their bits differed from
+    the 128-row tiles' on every batch measured. fp32 tiles of 128 rows overflow shared memory, and d256 keeps small
     tiles for registers.
+    Busy decode batches take those 64-row tiles unpipelined (one stage): pipelined, a block holds two K and two V
+    tiles (144 KB of shared memory, on two stages as on three), so one block an SM, its one warpgroup waiting
+    between loads; on one stage 48 KB, and its 255 registers allow two blocks an SM, each one's loads behind the
+    other's arithmetic. On an H200 (`paged_decode`, 16q/8kv) 256 decodes at 600 / 1024 tokens took 221.3 / 347.2
+    us against 273.9 / 419.5 on three stages, 64 at 4096 336.1 against 426.1; with too few programs for two an SM
+    it loses (8 at 32768: 1066.3 against 764.3), as where each block's fixed cost outweighs its loads (256 at 128:
+    101.5 against 84.3). The same bits on each.
     """
     if head_dim <= 128 and dtype != torch.float32:
         rows = 256 if shared_memory >= HOPPER_SHARED_MEMORY and max_rows >= 256 else min(128, max_rows)
         block_m = max(rows, next_power_of_2(group))
         stages = 3 if block_m == 64 and shared_memory >= HOPPER_SHARED_MEMORY else 2
+        if stages == 3 and busy:
+            stages = 1
         return block_m, 128, 8 if rows >= 128 else 4, stages
     return max(64, next_power_of_2(group)), 64 if head_dim <= 128 else 32, 4, 2
 
@@ -85,7 +94,11 @@ def shared_memory(device: torch.device) -> int:
 def _check(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, sliding_window, out, positions):
     check_cache(q, k_cache, v_cache, page_tables, seq_lens)
     check_window(sliding_window)
-    if query_start_loc.shape != (seq_lens.shape[0] + 1,) or query_start_loc.dtype != torch.int32:
+    if query_start_loc is None:   # paged_decode: one query per sequence
+        if q.shape[0] != seq_lens.shape[0]:
+            raise ValueError(f"paged_decode takes one query per sequence: q has {q.shape[0]} rows for "
+                             f"{seq_lens.shape[0]} sequences")
+    elif query_start_loc.shape != (seq_lens.shape[0] + 1,) or query_start_loc.dtype != torch.int32:
         raise ValueError(f"query_start_loc must be int32 [{seq_lens.shape[0] + 1}], got {query_start_loc.dtype} "
                          f"{tuple(query_start_loc.shape)}")
     if out is not None and (out.shape != q.shape or out.stride(2) != 1):
@@ -122,6 +135,13 @@ def paged_attention_ref(q, k_cache, v_cache, page_tables, seq_lens, query_start_
     return out
 
 
+def paged_decode_ref(q, k_cache, v_cache, page_tables, seq_lens, scale, sliding_window=None, out=None):
+    """PyTorch twin of `paged_decode`: `paged_attention_ref` with one query per sequence."""
+    _check(q, k_cache, v_cache, page_tables, seq_lens, None, sliding_window, out, None)
+    qsl = torch.arange(seq_lens.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return paged_attention_ref(q, k_cache, v_cache, page_tables, seq_lens, qsl, scale, sliding_window, out)
+
+
 @triton.jit
 def _find_sequence(query_start_loc_ptr, num_seqs, block_idx, BLOCK_Q: tl.constexpr):
     """The sequence whose query blocks include block_idx; sequence s's first block is qsl[s] // BLOCK_Q + s."""
@@ -142,14 +162,21 @@ def _fold(
     q, q_pos, lo, hi, full_lo, full_hi, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE: tl.constexpr,
     kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
+    USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, PAGES_PER_TILE: tl.constexpr, ONE_LOOP: tl.constexpr = False,
 ):
-    """(m, l, acc) of rows q over tiles [lo, hi), from a fresh state: the tiles outside [full_lo, full_hi) masked."""
-    f_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
-    f_hi = tl.minimum(tl.maximum(full_hi, f_lo), hi)
+    """(m, l, acc) of rows q over tiles [lo, hi), from a fresh state: the tiles outside [full_lo, full_hi) masked.
+    ONE_LOOP: every tile masked, in one loop (the same bits: a mask that keeps every score changes none)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    if ONE_LOOP:
+        return attend_tiles(
+            q, q_pos, m_i, l_i, acc, lo, hi, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
+            kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
+            HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True, PAGES_PER_TILE,
+        )
+    f_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    f_hi = tl.minimum(tl.maximum(full_hi, f_lo), hi)
     m_i, l_i, acc = attend_tiles(
         q, q_pos, m_i, l_i, acc, lo, f_lo, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
         kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
@@ -206,17 +233,24 @@ def _paged_attention_kernel(
     USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
     EXPLICIT_POSITIONS: tl.constexpr,
     SPLIT_TILES: tl.constexpr,  # tiles per split (axis 2 of the grid); 0: one pass over the context
+    ONE_TOKEN: tl.constexpr,    # one query per sequence (`paged_decode`): block s is sequence s, qsl unread
 ):
     # Last query blocks first: a sequence's later blocks see more keys, so the longest programs start first
     # and the short ones fill the tail.
     block_idx = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
-    s = _find_sequence(query_start_loc_ptr, num_seqs, block_idx, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + s)
-    q_len = tl.load(query_start_loc_ptr + s + 1) - q_start
-    local = block_idx - (q_start // BLOCK_Q + s)
-    if local * BLOCK_Q >= q_len:
-        return
+    if ONE_TOKEN:
+        s = block_idx
+        q_start = s
+        q_len = 1
+        local = 0
+    else:
+        s = _find_sequence(query_start_loc_ptr, num_seqs, block_idx, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + s)
+        q_len = tl.load(query_start_loc_ptr + s + 1) - q_start
+        local = block_idx - (q_start // BLOCK_Q + s)
+        if local * BLOCK_Q >= q_len:
+            return
     seq_len = tl.load(seq_lens_ptr + s)
 
     rows = tl.arange(0, BLOCK_M)
@@ -290,17 +324,20 @@ def _paged_attention_kernel(
         m_i, l_i, acc = _fold(
             q, q_pos, t_start, t_end, full_lo, full_hi, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
             kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
-            BLOCK_M, HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, PAGES_PER_TILE,
+            BLOCK_M, HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, PAGES_PER_TILE, ONE_TOKEN,
         )
         # Padding rows see no key (l_i = 0); only they would divide by zero, and they are not stored.
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptrs, cast(o, out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def _layout(num_tokens, num_heads, head_dim, dtype, device, num_kv_heads, num_seqs, max_rows):
+def _layout(num_tokens, num_heads, head_dim, dtype, device, num_kv_heads, num_seqs, max_rows, busy=False):
     """(block_m, block_q, block_n, num_warps, num_stages, grid blocks) of a launch."""
+    if max_rows not in (64, 128, 256):
+        raise ValueError(f"max_rows must be 64, 128 or 256, got {max_rows!r}")
     group = num_heads // num_kv_heads
-    block_m, block_n, num_warps, num_stages = tile_config(head_dim, group, dtype, shared_memory(device), max_rows)
+    block_m, block_n, num_warps, num_stages = tile_config(head_dim, group, dtype, shared_memory(device), max_rows,
+                                                          busy)
     block_q = block_m // group
     # Sequence s's blocks start at query_start_loc[s] // block_q + s, so this bound covers every block
     # without reading query lengths back to the host.
@@ -336,7 +373,7 @@ def paged_attention(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc,
     """Causal attention of every query row over its sequence's pages; returns out (allocated if None).
 
     max_rows (64, 128 or 256) caps the rows of a program's tile (see tile_config): deterministic mode's prefill
-    takes 128, its one-token decodes 64 (the same bits, tile_config says where measured).
+    takes 256, its one-token decodes 64 (`paged_decode`; the same bits, tile_config says where measured).
 
     positions (int64 [num_tokens]) places each row explicitly (see the module docstring); a row at the same
     position gets the same bits as without them. Their values are not checked here (that would read them back
@@ -346,8 +383,6 @@ def paged_attention(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc,
     split_size positions (module docstring), with `workspace` from paged_split_workspace (made here if None).
     Same rows, rounded differently from the single pass; neither depends on chunking, batch or page size."""
     _check(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, sliding_window, out, positions)
-    if max_rows not in (64, 128, 256):
-        raise ValueError(f"max_rows must be 64, 128 or 256, got {max_rows!r}")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, num_seqs = k_cache.shape[2], seq_lens.shape[0]
     layout = _layout(num_tokens, num_heads, head_dim, q.dtype, q.device, num_kv_heads, num_seqs, max_rows)
@@ -357,7 +392,32 @@ def paged_attention(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc,
                      else check_workspace(workspace, *shapes, q.device, "paged_split_workspace"))
     elif workspace is not None:
         raise ValueError("workspace is the split scratch: pass split_size with it")
+    return _launch(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, scale, sliding_window, out, layout,
+                   positions, split_size, workspace)
+
+
+def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, scale, sliding_window=None, out=None, max_rows=64):
+    """`paged_attention` of one query per sequence (row s is sequence s's newest position), with the bits of
+    paged_attention(..., query_start_loc=arange(num_seqs + 1)): the same tiles folded in the same order. Program s
+    takes sequence s, where paged_attention's programs each search query_start_loc for theirs (8 dependent loads
+    for 256 sequences) and its spare ones find none; and it folds every tile masked in one loop (the same bits:
+    a mask that keeps every score changes none), whose single set of pipeline buffers leaves a block fewer
+    registers spilled than the three loops' (8 bytes against 72 in the sm_90 build); busy batches load
+    unpipelined (tile_config). max_rows as paged_attention's (deterministic mode's decodes take 64)."""
+    _check(q, k_cache, v_cache, page_tables, seq_lens, None, sliding_window, out, None)
+    num_seqs, num_heads, head_dim = q.shape
+    busy = num_seqs * k_cache.shape[2] >= 2 * sm_count(q.device) > 0   # programs enough for two an SM
+    layout = _layout(num_seqs, num_heads, head_dim, q.dtype, q.device, k_cache.shape[2], num_seqs, max_rows, busy)
+    return _launch(q, k_cache, v_cache, page_tables, seq_lens, None, scale, sliding_window, out,
+                   layout[:-1] + (num_seqs,), None, None, None)
+
+
+def _launch(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, scale, sliding_window, out, layout,
+            positions, split_size, workspace):
+    """One launch of the kernel over `layout`'s blocks; query_start_loc None: one query per sequence."""
     out = torch.empty_like(q) if out is None else out
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, num_seqs = k_cache.shape[2], seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
     block_m, block_q, block_n, num_warps, num_stages, blocks = layout
@@ -374,7 +434,7 @@ def paged_attention(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc,
         D_PAD=next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None, PRECISION=precision_for(q.dtype),
         PAGES_PER_TILE=pages_per_tile(k_cache.shape[1], block_n), EXPLICIT_POSITIONS=positions is not None,
-        SPLIT_TILES=split_size // block_n if split_size is not None else 0,
+        SPLIT_TILES=split_size // block_n if split_size is not None else 0, ONE_TOKEN=query_start_loc is None,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
     )
     return out
