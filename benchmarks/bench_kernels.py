@@ -1,9 +1,14 @@
 """Kernel benchmarks on the GPU: paged decode / chunked prefill against torch SDPA on a contiguous cache.
 
 bf16, 32 query / 8 KV heads, head_dim 128, page size 16, random data, pages in random order. Each case times
-our kernel and SDPA over a contiguous copy of the same K/V (same run) with triton.testing.do_bench (median)
-and records ms, TB/s (bytes: K/V read once + q read + out written), TFLOP/s (4 * heads * head_dim per visible
-query-key pair) and the ratio SDPA-time / our-time in benchmark.extra_info.
+our kernel and SDPA's backends over a contiguous copy of the same K/V (same run) with triton.testing.do_bench
+(median) and records ms, TB/s (bytes: K/V read once + q read + out written), TFLOP/s (4 * heads * head_dim per
+visible query-key pair) and, per baseline, its time and the ratio baseline-time / our-time in
+benchmark.extra_info. Baselines: decodes against SDPA as it dispatches itself; prefill against each backend
+forced (`sdpa_kernel`): flash, cuDNN and memory-efficient. Decodes run two paths: split-KV (the default mode's)
+and the single pass (`paged_decode`, deterministic mode's). A backend that refuses a case is reported as such.
+Plain causal cases (no cached prefix) take SDPA's `is_causal`, the fast path of every backend; after a cached
+prefix the mask is aligned bottom-right (`causal_lower_right`).
 
     pytest --benchmark-only benchmarks/bench_kernels.py -s      # prints the table at the end
 """
@@ -12,7 +17,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from chunkwise.kernels import paged_attention, split_kv_decode
+from chunkwise.engine.model import DETERMINISTIC_DECODE_ROWS
+from chunkwise.kernels import paged_attention, paged_decode, split_kv_decode
 from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE, num_splits_for, split_workspace
 from chunkwise.kernels.testing import query_start_loc
 
@@ -35,9 +41,11 @@ class Case:
 
 
 CASES = [
-    Case("decode B64xL4096", [(4095, 1)] * 64, ["paged", "split"]),
-    Case("decode B8xL32768", [(32767, 1)] * 8, ["paged", "split"]),
-    Case("decode B256xL1024", [(1023, 1)] * 256, ["paged", "split"]),
+    Case("decode B64xL4096", [(4095, 1)] * 64, ["single", "split"]),
+    Case("decode B8xL32768", [(32767, 1)] * 8, ["single", "split"]),
+    Case("decode B256xL1024", [(1023, 1)] * 256, ["single", "split"]),
+    Case("causal 8192", [(0, 8192)]),
+    Case("causal 4x2048", [(0, 2048)] * 4),
     Case("prefill 2048 after 4096", [(4096, 2048)]),
     Case("prefill 8x(1024 after 1024)", [(1024, 1024)] * 8),
     Case("prefill 8192 after 4096", [(4096, 8192)]),
@@ -72,17 +80,24 @@ def ours(t, path):
                                     num_splits_for(t["page_tables"].shape[1], PAGE, DEFAULT_SPLIT_SIZE), "cuda")
         return lambda: split_kv_decode(t["q"], t["k_cache"], t["v_cache"], t["page_tables"], t["seq_lens"],
                                        SCALE, out=out, workspace=workspace)
+    if path == "single":   # deterministic mode's decodes: one pass, in the prefill's bits
+        return lambda: paged_decode(t["q"], t["k_cache"], t["v_cache"], t["page_tables"], t["seq_lens"], SCALE,
+                                    out=out, max_rows=DETERMINISTIC_DECODE_ROWS)
     return lambda: paged_attention(t["q"], t["k_cache"], t["v_cache"], t["page_tables"], t["seq_lens"], t["qsl"],
                                    SCALE, out=out)
 
 
-def sdpa(case, t):
-    """SDPA over contiguous K/V of the same shape (all sequences here have equal lengths)."""
+PREFILL_BACKENDS = ("flash", "cudnn", "efficient")
+
+
+def baselines(case, t):
+    """{name: fn} over contiguous K/V of the same shape (all sequences here have equal lengths)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
     from torch.nn.functional import scaled_dot_product_attention
     b = len(case.seqs)
-    length = case.seqs[0][0] + case.seqs[0][1]
-    n_new = case.seqs[0][1]
+    prefix, n_new = case.seqs[0]
+    length = prefix + n_new
     pages = t["page_tables"].long()[:, :-(-length // PAGE)]
 
     def contiguous(cache):
@@ -91,11 +106,19 @@ def sdpa(case, t):
     k, v = contiguous(t["k_cache"]), contiguous(t["v_cache"])
     q = t["q"].view(b, n_new, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
     if case.decode:
-        return lambda: scaled_dot_product_attention(q, k, v, scale=SCALE, enable_gqa=True)
-    # Chunked prefill: queries are the last n_new positions, so the causal mask is aligned bottom-right.
+        return {"sdpa": lambda: scaled_dot_product_attention(q, k, v, scale=SCALE, enable_gqa=True)}
     k, v = (x.repeat_interleave(HEADS // KV_HEADS, dim=1) for x in (k, v))
-    mask = causal_lower_right(n_new, length)
-    return lambda: scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=SCALE)
+    # Queries are the last n_new positions: without a prefix that is plain causal attention.
+    mask = dict(is_causal=True) if prefix == 0 else dict(attn_mask=causal_lower_right(n_new, length))
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+    def forced(backend):
+        def fn():
+            with sdpa_kernel([backend]):
+                return scaled_dot_product_attention(q, k, v, scale=SCALE, **mask)
+        return fn
+    return {name: forced(backends[name]) for name in PREFILL_BACKENDS}
 
 
 def work(case):
@@ -111,7 +134,19 @@ def median_ms(fn):
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
-_SDPA_MS: dict[str, float] = {}
+_BASELINE_MS: dict[tuple[str, str], float | None] = {}   # (case, baseline) -> ms; None: the backend refused
+
+
+def _time_baseline(name, fn, expected_shape, ours_out):
+    """The baseline's median ms, after checking it computes what ours does; None if the backend refuses."""
+    try:
+        expected = fn().transpose(1, 2).reshape(expected_shape)
+    except RuntimeError as e:   # e.g. no cuDNN, or a backend that does not take the mask
+        print(f"\n{name}: refused ({str(e).splitlines()[0][:120]})")
+        return None
+    # Same function as ours, or the ratio means nothing (bf16: a loose bound on the max difference).
+    assert (ours_out.float() - expected.float()).abs().max().item() < 3e-2, name
+    return median_ms(fn)
 
 
 @pytest.mark.parametrize("case, path", [(c, p) for c in CASES for p in c.paths], ids=lambda x: getattr(x, "name", x))
@@ -119,27 +154,35 @@ def test_kernel_vs_sdpa(benchmark, case, path):
     gen = torch.Generator(device="cuda").manual_seed(0)
     tensors = build(case, gen)
     fn = ours(tensors, path)
-    baseline = sdpa(case, tensors)
-    # Same function as the baseline, or the ratio means nothing (bf16: a loose bound on the max difference).
-    expected = baseline().transpose(1, 2).reshape(fn().shape)
-    assert (fn().float() - expected.float()).abs().max().item() < 3e-2
-    if case.name not in _SDPA_MS:
-        _SDPA_MS[case.name] = median_ms(baseline)
+    out = fn().clone()
+    for name, base in baselines(case, tensors).items():
+        if (case.name, name) not in _BASELINE_MS:
+            _BASELINE_MS[case.name, name] = _time_baseline(name, base, out.shape, out)
     ms = median_ms(fn)
     nbytes, flops = work(case)
-    row = dict(case=case.name, path=path, ms=ms, tbps=nbytes / ms / 1e9, tflops=flops / ms / 1e9,
-               sdpa_ms=_SDPA_MS[case.name], sdpa_tbps=nbytes / _SDPA_MS[case.name] / 1e9,
-               sdpa_tflops=flops / _SDPA_MS[case.name] / 1e9, ratio=_SDPA_MS[case.name] / ms)
+    row = dict(case=case.name, path=path, ms=ms, tbps=nbytes / ms / 1e9, tflops=flops / ms / 1e9)
+    for (c, name), base_ms in _BASELINE_MS.items():
+        if c == case.name and base_ms is not None:
+            row.update({f"{name}_ms": base_ms, f"{name}_tbps": nbytes / base_ms / 1e9,
+                        f"{name}_tflops": flops / base_ms / 1e9, f"{name}_ratio": base_ms / ms})
     benchmark.extra_info.update(row)
     ROWS.append(row)
     benchmark.pedantic(lambda: (fn(), torch.cuda.synchronize()), rounds=10, warmup_rounds=2)
 
 
+def _baseline_cell(row, name, unit):
+    if f"{name}_ms" not in row:
+        return "-"
+    return f"{row[f'{name}_{unit}']:.{2 if unit == 'tbps' else 1}f} ({row[f'{name}_ratio']:.2f})"
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _print_table():
     yield
-    print("\n| case | path | ms | TB/s | TFLOP/s | SDPA ms | SDPA TB/s | SDPA TFLOP/s | ratio (SDPA time / ours) |")
+    print("\nEach baseline: its TB/s (decode) or TFLOP/s (prefill), and in brackets its time / ours (> 1: ours faster)")
+    print("| case | path | ms | TB/s | TFLOP/s | SDPA | flash | cuDNN | efficient |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in ROWS:
-        print(f"| {r['case']} | {r['path']} | {r['ms']:.3f} | {r['tbps']:.2f} | {r['tflops']:.1f} | "
-              f"{r['sdpa_ms']:.3f} | {r['sdpa_tbps']:.2f} | {r['sdpa_tflops']:.1f} | {r['ratio']:.2f} |")
+        unit = "tbps" if r["case"].startswith("decode") else "tflops"
+        cells = " | ".join(_baseline_cell(r, name, unit) for name in ("sdpa", *PREFILL_BACKENDS))
+        print(f"| {r['case']} | {r['path']} | {r['ms']:.3f} | {r['tbps']:.2f} | {r['tflops']:.1f} | {cells} |")
