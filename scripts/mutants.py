@@ -171,6 +171,36 @@ MUTANTS = [
            "        stages = 3 if block_m <= 128 else 2\n",
            "the third pipeline stage, measured for Hopper's 64-row decode tiles, goes to 128-row tiles and to GPUs with "
            "less shared memory too, where the tiles' buffers no longer fit"),
+    Mutant("busy_decodes_stay_pipelined", "chunkwise/kernels/paged_attention.py",
+           "        if stages == 3 and busy:\n            stages = 1\n",
+           "        if stages == 3 and busy:\n            stages = 2\n",
+           "busy decode batches take two stages instead of one: the same two K and V buffers as three (144 KB), so "
+           "one block an SM where one stage would fit two"),
+    Mutant("paged_decode_row_of_the_launch_order", "chunkwise/kernels/paged_attention.py",
+           "        q_start = s\n        q_len = 1\n",
+           "        q_start = tl.program_id(0)\n        q_len = 1\n",
+           "paged_decode takes its query row by launch order, forgetting that the programs run the last sequence "
+           "first: each sequence's keys meet another sequence's query"),
+    Mutant("paged_decode_one_loop_skips_the_mask", "chunkwise/kernels/paged_attention.py",
+           "            HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True, PAGES_PER_TILE,\n        )\n",
+           "            HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, False, PAGES_PER_TILE,\n        )\n",
+           "paged_decode's one loop folds its tiles unmasked, as the middle of the three loops does: positions past "
+           "the sequence (in its last tile) and outside its window are scored"),
+    Mutant("deterministic_decodes_split_kv", "chunkwise/engine/model.py",
+           "        if self.deterministic:\n            paged_decode(",
+           "        if False:\n            paged_decode(",
+           "deterministic mode's decodes take split-KV, whose splits round a row differently from the prefill's one "
+           "pass"),
+    Mutant("matmul_wide_tile_below_a_warpgroup", "chunkwise/kernels/matmul.py",
+           "WIDE_TILES = ((128, 256, 64, 8, 3), (128, 128, 64, 8, 3))",
+           "WIDE_TILES = ((128, 256, 64, 8, 3), (32, 128, 64, 2, 3))",
+           "the deterministic matmul's second wide tile takes 32 rows and 2 warps, which Hopper runs as mma.sync, not "
+           "the 64-row tiles' warpgroup MMA: a row's bits depend on the step's row count"),
+    Mutant("matmul_warm_up_misses_wide_tiles", "chunkwise/kernels/matmul.py",
+           "    candidates = [1, 128] + [",
+           "    candidates = [1] + [",
+           "the warm-up's row counts leave out 128, where the LM head already takes the widest tile: it compiles "
+           "inside the first user step of 128 rows or more"),
     Mutant("host_cdiv_floors", "chunkwise/kernels/tiling.py",
            "    return -(a // -b)\n",
            "    return a // b\n",
