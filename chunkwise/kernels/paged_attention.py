@@ -24,6 +24,10 @@ not the single pass's bits: a caller that needs one row to equal another (determ
     partial_out:  float32 [grid blocks, num_kv_heads, num_splits, BLOCK_M, D_PAD] (scratch)
     partial_lse:  float32 [grid blocks, num_kv_heads, num_splits, BLOCK_M] (scratch; log2 units, -inf: no key)
     arrivals:     int32 [grid blocks, num_kv_heads] (scratch, zero at launch; each launch leaves it zero)
+
+One query per sequence (`paged_decode`, deterministic mode's decodes): block s is sequence s (query_start_loc
+unread), every tile is folded masked in one loop, and a batch with programs for two an SM loads unpipelined (one
+stage: how loads are scheduled, not what is summed). The same tiles in the same order: the general launch's bits.
 """
 import functools
 
