@@ -196,6 +196,11 @@ MUTANTS = [
            "WIDE_TILES = ((128, 256, 64, 8, 3), (32, 128, 64, 2, 3))",
            "the deterministic matmul's second wide tile takes 32 rows and 2 warps, which Hopper runs as mma.sync, not "
            "the 64-row tiles' warpgroup MMA: a row's bits depend on the step's row count"),
+    Mutant("matmul_wide_tiles_beyond_hopper", "chunkwise/kernels/matmul.py",
+           "    if m >= 128 and capability(device)[0] == 9:",
+           "    if m >= 128:",
+           "the deterministic matmul's tiles grow with the rows on any GPU, though their bits were measured alike "
+           "only on Hopper's warpgroup MMA"),
     Mutant("matmul_warm_up_misses_wide_tiles", "chunkwise/kernels/matmul.py",
            "    candidates = [1, 128] + [",
            "    candidates = [1] + [",

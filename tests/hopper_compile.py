@@ -129,6 +129,7 @@ def main():
     attention.sm_count = lambda device: 132
     # The matmul's tiles as on an H100 SXM or H200 (132 SMs), chosen as for a CUDA tensor.
     MATMUL.sm_count = lambda device: 132
+    MATMUL.capability = lambda device: (9, 0)
     config = MATMUL.matmul_config
     MATMUL.matmul_config = lambda n, k, dtype, device, m: config(n, k, dtype, "cuda", m)
     JITFunction.run = _catch

@@ -10,8 +10,8 @@ into the output's float32 registers. So each output element is the same chain of
 prefill chunk. cuBLAS and the CPU BLAS pick their kernel (and with it the reduction order, split-K included) by
 M, which is why the engine's deterministic mode uses this instead.
 
-The tile shape may grow with M (`matmul_config`): larger tiles for steps that fill the GPU with them. Only tiles
-that keep that chain are chosen: at least 64 rows and 4 warps, so that on Hopper every one lowers to the same
+The tile shape may grow with M on Hopper (`matmul_config`): larger tiles for steps that fill the GPU with them.
+Only tiles that keep that chain are chosen: at least 64 rows and 4 warps, so that every one lowers to the same
 warpgroup MMA (wgmma). Measured on an H200 (bf16, Qwen3-0.6B's five weights, 1 to 8192 rows): 14 tile shapes from
 64x32 to 256x128, K tiles of 64 and 128, 4 and 8 warps, 3 and 4 stages gave every output bitwise alike
 (tests/test_deterministic_gpu.py checks the chosen ones). M is not specialised by Triton (`do_not_specialize`),
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from chunkwise.kernels.tiling import cast, cdiv, check_float, dot, INTERPRET, precision_for, sm_count
+from chunkwise.kernels.tiling import cast, capability, cdiv, check_float, dot, INTERPRET, precision_for, sm_count
 
 
 def matmul_ref(x, w):
@@ -41,16 +41,17 @@ def matmul_config(n: int, k: int, dtype: torch.dtype, device, m: int) -> tuple[i
 
     GPU: below 128 rows (decode steps), 64 rows per tile (one Hopper warpgroup MMA) and narrow column tiles for
     narrow weights (o_proj, down_proj), so that even a decode step spreads its weight reads over a few dozen SMs.
-    From 128 rows, the largest of WIDE_TILES that still gives each SM a program. All of them keep a row's bits
-    (module docstring). float32 keeps one tile per weight: its TF32-free dots were not measured across tiles.
-    The interpreter: big tiles, since every program costs milliseconds of Python.
+    From 128 rows on Hopper, the largest of WIDE_TILES that still gives each SM a program. All of them keep a row's
+    bits there (module docstring); elsewhere (mma.sync, not measured) the tile stays the weight's. float32 keeps
+    one tile per weight: its TF32-free dots were not measured across tiles. The interpreter: big tiles, since
+    every program costs milliseconds of Python.
     """
     if torch.device(device).type != "cuda":
         return 64, 256, 64, 4, 1
     block_n = 128 if n >= 16384 else 64 if n >= 4096 else 32
     if dtype == torch.float32:
         return 64, block_n, 32, 4, 3
-    if m >= 128:
+    if m >= 128 and capability(device)[0] == 9:   # the tiles' bits were measured alike on Hopper only
         for tile in WIDE_TILES:
             if cdiv(m, tile[0]) * cdiv(n, tile[1]) >= sm_count(device):
                 return tile

@@ -35,6 +35,13 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
+@functools.lru_cache(maxsize=None)
+def capability(device) -> tuple[int, int]:
+    """A CUDA device's compute capability ((9, 0) for Hopper); (0, 0) elsewhere."""
+    device = torch.device(device)
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+
+
 def block_rows(row_elements: int, device) -> int:
     """Rows per program (a power of two) for rows of `row_elements` padded elements on `device`."""
     if (device.type if isinstance(device, torch.device) else torch.device(device).type) == "cuda":
