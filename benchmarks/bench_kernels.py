@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+from torch.nn.functional import scaled_dot_product_attention
 
 from chunkwise.engine.model import DETERMINISTIC_DECODE_ROWS
 from chunkwise.kernels import paged_attention, paged_decode, split_kv_decode
@@ -87,14 +90,13 @@ def ours(t, path):
                                    SCALE, out=out)
 
 
-PREFILL_BACKENDS = ("flash", "cudnn", "efficient")
+# Prefill's baselines: each SDPA backend forced.
+PREFILL_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                    "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
 def baselines(case, t):
     """{name: fn} over contiguous K/V of the same shape (all sequences here have equal lengths)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.bias import causal_lower_right
-    from torch.nn.functional import scaled_dot_product_attention
     b = len(case.seqs)
     prefix, n_new = case.seqs[0]
     length = prefix + n_new
@@ -110,15 +112,13 @@ def baselines(case, t):
     k, v = (x.repeat_interleave(HEADS // KV_HEADS, dim=1) for x in (k, v))
     # Queries are the last n_new positions: without a prefix that is plain causal attention.
     mask = dict(is_causal=True) if prefix == 0 else dict(attn_mask=causal_lower_right(n_new, length))
-    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
     def forced(backend):
         def fn():
             with sdpa_kernel([backend]):
                 return scaled_dot_product_attention(q, k, v, scale=SCALE, **mask)
         return fn
-    return {name: forced(backends[name]) for name in PREFILL_BACKENDS}
+    return {name: forced(backend) for name, backend in PREFILL_BACKENDS.items()}
 
 
 def work(case):
@@ -137,10 +137,10 @@ def median_ms(fn):
 _BASELINE_MS: dict[tuple[str, str], float | None] = {}   # (case, baseline) -> ms; None: the backend refused
 
 
-def _time_baseline(name, fn, expected_shape, ours_out):
+def _time_baseline(name, fn, ours_out):
     """The baseline's median ms, after checking it computes what ours does; None if the backend refuses."""
     try:
-        expected = fn().transpose(1, 2).reshape(expected_shape)
+        expected = fn().transpose(1, 2).reshape(ours_out.shape)
     except RuntimeError as e:   # e.g. no cuDNN, or a backend that does not take the mask
         print(f"\n{name}: refused ({str(e).splitlines()[0][:120]})")
         return None
@@ -157,7 +157,7 @@ def test_kernel_vs_sdpa(benchmark, case, path):
     out = fn().clone()
     for name, base in baselines(case, tensors).items():
         if (case.name, name) not in _BASELINE_MS:
-            _BASELINE_MS[case.name, name] = _time_baseline(name, base, out.shape, out)
+            _BASELINE_MS[case.name, name] = _time_baseline(name, base, out)
     ms = median_ms(fn)
     nbytes, flops = work(case)
     row = dict(case=case.name, path=path, ms=ms, tbps=nbytes / ms / 1e9, tflops=flops / ms / 1e9)

@@ -57,8 +57,7 @@ def compile_launch(fn, args, kwargs) -> dict:
         # that the loads are not vectorised or pipelined through shared memory, which then reads a third of its
         # real use (the 64-row decode tiles: 48 KB against 144 KB measured on an H200).
         if isinstance(value, torch.Tensor) and value.data_ptr() % 16 == 0 or (
-                type(value) is int and value % 16 == 0 and not param.is_constexpr
-                and i not in fn.do_not_specialize and param.name not in fn.do_not_specialize):
+                type(value) is int and value % 16 == 0 and not param.is_constexpr and not param.do_not_specialize):
             attrs[(i,)] = [["tt.divisibility", 16]]
         if param.is_constexpr or value is None:   # Triton passes None as a constant, as for a constexpr
             signature[param.name] = "constexpr"

@@ -93,6 +93,28 @@ def test_matmul_tiles_for_any_row_count_are_warpgroup_tiles_and_the_warm_up_meet
     assert len({mm.matmul_config(n, k, torch.bfloat16, "cuda", m) for m in range(1, max_m + 1, 37)}) == 1
 
 
+def test_matmul_tiles_change_exactly_at_their_row_counts(monkeypatch):
+    """Both sides of each limit, on 132 SMs: a wide tile from 128 rows (127 keeps the decode tile), and each wide
+    tile from the first row count that gives every SM a program (Qwen3-0.6B's QKV: 5 x 32 128x128 tiles from 513
+    rows, 9 x 16 128x256 ones from 1025); the warm-up's rows stop at max_m; on 128 SMs, exactly 128 programs."""
+    mm = importlib.import_module("chunkwise.kernels.matmul")
+    monkeypatch.setattr(mm, "sm_count", lambda device: 132)
+    monkeypatch.setattr(mm, "capability", lambda device: (9, 0))
+    wide, medium = mm.WIDE_TILES
+
+    def config(n, m):
+        return mm.matmul_config(n, 1024, torch.bfloat16, "cuda", m)
+    decode = config(4096, 1)
+    assert [config(4096, m) for m in (512, 513, 1024, 1025)] == [decode, medium, medium, wide]
+    assert config(151936, 127) == config(151936, 1) != wide and config(151936, 128) == wide
+    assert mm.config_changes(4096, 1024, torch.bfloat16, "cuda", 1025) == [1, 513, 1025]
+    assert mm.config_changes(4096, 1024, torch.bfloat16, "cuda", 1024) == [1, 513]
+    assert mm.config_changes(151936, 1024, torch.bfloat16, "cuda", 9000) == [1, 128]
+    # Exactly one program an SM is enough: on 128 SMs, 4 x 32 128x128 tiles at 512 rows (3 x 32 at 384 are not).
+    monkeypatch.setattr(mm, "sm_count", lambda device: 128)
+    assert [config(4096, m) for m in (384, 385, 512)] == [decode, medium, medium]
+
+
 def test_matmul_refuses_mismatched_operands():
     with pytest.raises(ValueError, match=r"x \(3, 4\) and w \(5, 6\)"):
         matmul(torch.ones(3, 4), torch.ones(5, 6))

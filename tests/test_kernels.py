@@ -106,6 +106,27 @@ def test_paged_decode_refuses_other_than_one_query_per_sequence():
             fn(q, cache.k_cache, cache.v_cache, cache.page_tables, cache.seq_lens, 0.125)
 
 
+def test_paged_decode_loads_unpipelined_from_exactly_two_programs_an_sm(monkeypatch):
+    """On Hopper's shared memory and 132 SMs, 8 KV heads: 33 sequences (264 programs) are busy and take one stage,
+    32 (256) keep three; off CUDA no batch is busy."""
+    pa = importlib.import_module("chunkwise.kernels.paged_attention")   # the package re-exports the function
+    assert pa.busy_decode_seqs(8, torch.device("cpu")) == float("inf")
+    monkeypatch.setattr(pa, "sm_count", lambda device: 132)
+    monkeypatch.setattr(pa, "shared_memory", lambda device: 227 * 1024)
+    stages = {}
+
+    def launch(q, k_cache, v_cache, page_tables, seq_lens, qsl, scale, window, out, layout, *split):
+        stages[q.shape[0]] = layout[4]   # (block_m, block_q, block_n, num_warps, num_stages, blocks)
+        return q
+    monkeypatch.setattr(pa, "_launch", launch)
+    gen = torch.Generator().manual_seed(0)
+    for n in (32, 33):
+        cache = paginate([random_kv(3, 8, 128, torch.bfloat16, gen) for _ in range(n)], 16, gen)
+        q = torch.zeros(n, 16, 128, dtype=torch.bfloat16)
+        pa.paged_decode(q, cache.k_cache, cache.v_cache, cache.page_tables, cache.seq_lens, 0.1)
+    assert stages == {32: 3, 33: 1}
+
+
 def _chunk_ends(data, length):
     cuts = data.draw(st.lists(st.integers(1, max(1, length - 1)), max_size=3, unique=True), label="cuts")
     return sorted({c for c in cuts if c < length} | {length})

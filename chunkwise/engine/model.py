@@ -37,8 +37,8 @@ from chunkwise.model_config import ModelConfig
 from chunkwise.kernels import (CascadeGroups, act_and_mul, add_rms_norm, cascade_decode, matmul, paged_attention,
                                paged_decode, rms_norm, rope_cos_sin, rope_store, split_kv_decode)
 from chunkwise.kernels.matmul import config_changes
-from chunkwise.kernels.tiling import cdiv, sm_count
-from chunkwise.kernels.paged_attention import paged_split_workspace
+from chunkwise.kernels.tiling import cdiv
+from chunkwise.kernels.paged_attention import busy_decode_seqs, paged_split_workspace
 from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE, SplitWorkspace, num_splits_for, split_workspace
 from chunkwise.engine.blend import BlendInputs, select_rows
 from chunkwise.engine.kv_cache import LayerCaches
@@ -302,7 +302,7 @@ class Model:
                 matmul(torch.zeros(m, w.shape[1], dtype=w.dtype, device=w.device), w)
         k_cache, v_cache = kv_caches[0]
         heads, kv_heads = self._heads()
-        busy = cdiv(cdiv(2 * sm_count(k_cache.device), kv_heads), 16) * 16   # sequences: two programs an SM
+        busy = cdiv(busy_decode_seqs(kv_heads, k_cache.device), 16) * 16
         for n in (busy, busy + 1):   # a multiple of 16 and not: Triton specialises the count on it
             q = torch.zeros(n, heads, self.cfg.head_dim, dtype=k_cache.dtype, device=k_cache.device)
             ones = torch.ones(n, dtype=torch.int32, device=q.device)

@@ -59,15 +59,15 @@ def matmul_config(n: int, k: int, dtype: torch.dtype, device, m: int) -> tuple[i
 
 
 def config_changes(n: int, k: int, dtype: torch.dtype, device, max_m: int) -> list[int]:
-    """The row counts up to max_m at which `matmul_config` takes another tile: one matmul of each compiles every
-    variant that row counts up to max_m use (a warm-up's)."""
-    candidates = [1, 128] + [tile[0] * (cdiv(sm_count(device), cdiv(n, tile[1])) - 1) + 1 for tile in WIDE_TILES]
-    rows, seen = [], set()
-    for m in sorted(c for c in candidates if c <= max_m):
+    """The row counts up to max_m at which `matmul_config` takes another tile (1 first): one matmul of each compiles
+    every variant that row counts up to max_m use (a warm-up's). Read off matmul_config itself, row count by row
+    count, so the two cannot disagree."""
+    rows, last = [], None
+    for m in range(1, max_m + 1):
         config = matmul_config(n, k, dtype, device, m)
-        if config not in seen:
-            seen.add(config)
+        if config != last:
             rows.append(m)
+            last = config
     return rows
 
 

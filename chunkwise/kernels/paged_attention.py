@@ -400,6 +400,13 @@ def paged_attention(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc,
                    positions, split_size, workspace)
 
 
+def busy_decode_seqs(num_kv_heads, device) -> float:
+    """The fewest sequences from which a `paged_decode` batch is busy: programs (sequences x KV heads) for two an
+    SM, so it loads unpipelined (tile_config). Infinite off CUDA."""
+    sms = sm_count(device)
+    return cdiv(2 * sms, num_kv_heads) if sms else float("inf")
+
+
 def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, scale, sliding_window=None, out=None, max_rows=64):
     """`paged_attention` of one query per sequence (row s is sequence s's newest position), with the bits of
     paged_attention(..., query_start_loc=arange(num_seqs + 1)): the same tiles folded in the same order. Program s
@@ -410,7 +417,7 @@ def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, scale, sliding_wind
     unpipelined (tile_config). max_rows as paged_attention's (deterministic mode's decodes take 64)."""
     _check(q, k_cache, v_cache, page_tables, seq_lens, None, sliding_window, out, None)
     num_seqs, num_heads, head_dim = q.shape
-    busy = num_seqs * k_cache.shape[2] >= 2 * sm_count(q.device) > 0   # programs enough for two an SM
+    busy = num_seqs >= busy_decode_seqs(k_cache.shape[2], q.device)
     layout = _layout(num_seqs, num_heads, head_dim, q.dtype, q.device, k_cache.shape[2], num_seqs, max_rows, busy)
     return _launch(q, k_cache, v_cache, page_tables, seq_lens, None, scale, sliding_window, out,
                    layout[:-1] + (num_seqs,), None, None, None)
