@@ -64,6 +64,8 @@ def check_float(name: str, t: torch.Tensor):
 # (OpenBLAS's Haswell kernel does), and bfloat16 is raw uint16 bits that arithmetic and `.to` get wrong.
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"))
 INTERPRET_MAX_NUMEL = tl.constexpr(2 ** 20)  # Triton's cap on a tensor's elements
+# The tallest tile the interpreter's `dot` is given (tile_config's rows without Hopper's shared memory).
+INTERPRET_MAX_ROWS = tl.constexpr(128)
 
 
 def precision_for(dtype):
@@ -75,12 +77,13 @@ def precision_for(dtype):
 def dot(a, b, PRECISION: tl.constexpr):
     """a [M, K] @ b [K, N] -> float32 [M, N]. GPU: tl.dot. Interpreter: every product in float32 (bf16 and fp16
     operands upcast exactly) and each output element reduced by numpy alone, so a row's result depends on that
-    row's values only, never on its place in the tile or on the host BLAS."""
+    row's values only, never on its place in the tile, the tile's height or on the host BLAS."""
     if INTERPRET:
         a = a.to(tl.float32)
         bt = tl.trans(b.to(tl.float32))  # [N, K]: the products' reduction runs along numpy's contiguous axis
-        if a.shape[0] * a.shape[1] * bt.shape[0] > INTERPRET_MAX_NUMEL:
-            # [M, N, K] products exceed Triton's tensor limit (128-wide 16-bit tiles): even and odd k separately.
+        if INTERPRET_MAX_ROWS * a.shape[1] * bt.shape[0] > INTERPRET_MAX_NUMEL:
+            # [M, N, K] products of the tallest tile would exceed Triton's tensor limit (128-wide 16-bit tiles):
+            # even and odd k separately, decided by K and N alone so that a row sums alike in a tile of any height.
             a0, a1 = tl.split(tl.reshape(a, [a.shape[0], a.shape[1] // 2, 2]))
             b0, b1 = tl.split(tl.reshape(bt, [bt.shape[0], bt.shape[1] // 2, 2]))
             c = tl.sum(a0[:, None, :] * b0[None, :, :], 2) + tl.sum(a1[:, None, :] * b1[None, :, :], 2)
