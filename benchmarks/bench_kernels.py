@@ -20,7 +20,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 from torch.nn.functional import scaled_dot_product_attention
 
-from chunkwise.engine.model import DETERMINISTIC_DECODE_ROWS
 from chunkwise.kernels import paged_attention, paged_decode, split_kv_decode
 from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE, num_splits_for, split_workspace
 from chunkwise.kernels.testing import query_start_loc
@@ -85,7 +84,7 @@ def ours(t, path):
                                        SCALE, out=out, workspace=workspace)
     if path == "single":   # deterministic mode's decodes: one pass, in the prefill's bits
         return lambda: paged_decode(t["q"], t["k_cache"], t["v_cache"], t["page_tables"], t["seq_lens"], SCALE,
-                                    out=out, max_rows=DETERMINISTIC_DECODE_ROWS)
+                                    out=out, sum_by_dot=True)
     return lambda: paged_attention(t["q"], t["k_cache"], t["v_cache"], t["page_tables"], t["seq_lens"], t["qsl"],
                                    SCALE, out=out)
 

@@ -73,7 +73,7 @@ def compile_launch(fn, args, kwargs) -> dict:
     compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs), target=HOPPER,
                               options=options)
     tiles = {k: bound[k] for k in ("BLOCK_M", "BLOCK_H", "BLOCK_N", "BLOCK_K", "EXPLICIT_POSITIONS",
-                                   "SPLIT_TILES", "ONE_TOKEN") if k in bound}
+                                   "SPLIT_TILES", "ONE_TOKEN", "SUM_BY_DOT") if k in bound}
     return dict(kernel=fn.__name__, shared=compiled.metadata.shared, **tiles, **options)
 
 
@@ -86,8 +86,9 @@ def _batch(heads, kv_heads, head_dim, dtype, lens, gen):
 def cases():
     """(name, launch): a few of the engines' Hopper configurations (a compile takes 2-60 s on a CPU, so not
     every dtype and shape): prefill attention's 256-row bf16 tiles (with implicit and explicit positions), its
-    128-row tiles with the context split (as the engine's short steps take them), deterministic decodes' 64 rows,
-    split-KV's largest (fp32 d256) and cascade's shared-split tiles."""
+    128-row tiles with the context split (as the engine's short steps take them), and with row sums by dot
+    (deterministic mode's), one-token decodes' 64 rows and deterministic mode's 16, split-KV's largest (fp32 d256)
+    and cascade's shared-split tiles."""
     gen = torch.Generator().manual_seed(0)
     q, c = _batch(16, 8, 128, torch.bfloat16, [600, 40], gen)
     yield "paged_attention bf16 16q/8kv d128", lambda: paged_attention(
@@ -98,8 +99,12 @@ def cases():
     yield "paged_attention bf16 16q/8kv d128 split context", lambda: paged_attention(
         q, c.k_cache, c.v_cache, c.page_tables, c.seq_lens, query_start_loc([1, 1]), 0.1, split_size=512,
         max_rows=128)
-    yield "paged_decode bf16 16q/8kv d128 (deterministic decodes)", lambda: paged_decode(
+    yield "paged_attention bf16 16q/8kv d128 row sums by dot (deterministic prefill)", lambda: paged_attention(
+        q, c.k_cache, c.v_cache, c.page_tables, c.seq_lens, query_start_loc([1, 1]), 0.1, sum_by_dot=True)
+    yield "paged_decode bf16 16q/8kv d128", lambda: paged_decode(
         q, c.k_cache, c.v_cache, c.page_tables, c.seq_lens, 0.1, max_rows=64)
+    yield "paged_decode bf16 16q/8kv d128 row sums by dot (deterministic decodes: 16 rows)", lambda: paged_decode(
+        q, c.k_cache, c.v_cache, c.page_tables, c.seq_lens, 0.1, sum_by_dot=True)
     q4, c4 = _batch(16, 8, 128, torch.bfloat16, [50 + i for i in range(40)], gen)
     yield "paged_decode bf16 16q/8kv d128, 40 sequences (busy: unpipelined)", lambda: paged_decode(
         q4, c4.k_cache, c4.v_cache, c4.page_tables, c4.seq_lens, 0.1, max_rows=64)

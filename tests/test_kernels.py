@@ -4,9 +4,11 @@ Runs on CPU through Triton's interpreter (float32, float16 and bfloat16) and on 
 the interpreter is slow. Production sizes live in test_kernels_gpu.py.
 """
 import importlib
+import itertools
 
 import pytest
 import torch
+import triton
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -79,22 +81,27 @@ def test_paged_attention_matches_reference(heads, head_dim, page_size, seqs, win
 
 @given(heads=st.sampled_from(HEADS), head_dim=st.sampled_from(HEAD_DIMS), page_size=st.integers(1, 64),
        lens=st.lists(st.integers(1, 150), min_size=1, max_size=4), window=st.none() | st.integers(1, 80),
-       dtype=st.sampled_from(DTYPES), max_rows=st.sampled_from([64, 128, 256]), seed=st.integers(0, 2**16))
+       dtype=st.sampled_from(DTYPES), max_rows=st.sampled_from([64, 128, 256]), sum_by_dot=st.booleans(),
+       seed=st.integers(0, 2**16))
 @example(heads=(14, 2), head_dim=64, page_size=16, lens=[130, 1, 17], window=None, dtype=torch.bfloat16, max_rows=64,
-         seed=1)
+         sum_by_dot=False, seed=1)
+@example(heads=(14, 2), head_dim=128, page_size=16, lens=[130, 1, 17], window=None, dtype=torch.bfloat16, max_rows=256,
+         sum_by_dot=True, seed=1)
 def test_paged_decode_gives_paged_attentions_bits_for_one_query_per_sequence(heads, head_dim, page_size, lens, window,
-                                                                            dtype, max_rows, seed, device):
+                                                                            dtype, max_rows, sum_by_dot, seed, device):
     """paged_decode takes program s as sequence s instead of searching query_start_loc: the same rows, the same
-    bits, and its reference agrees."""
+    bits (with row sums by dot, from its own 16-row tiles against paged_attention's of max_rows), and its reference
+    agrees."""
     num_heads, num_kv_heads = heads
     gen = torch.Generator().manual_seed(seed)
     cache = paginate([random_kv(n, num_kv_heads, head_dim, dtype, gen, device) for n in lens], page_size, gen)
     q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype).to(device)
     args = (q, cache.k_cache, cache.v_cache, cache.page_tables, cache.seq_lens)
     scale = head_dim ** -0.5
-    out = paged_decode(*args, scale, sliding_window=window, out=torch.full_like(q, float("nan")), max_rows=max_rows)
+    out = paged_decode(*args, scale, sliding_window=window, out=torch.full_like(q, float("nan")), max_rows=max_rows,
+                       sum_by_dot=sum_by_dot)
     single = paged_attention(*args, query_start_loc([1] * len(lens), device), scale, sliding_window=window,
-                             max_rows=max_rows)
+                             max_rows=max_rows, sum_by_dot=sum_by_dot)
     assert torch.equal(out, single)
     torch.testing.assert_close(out, paged_decode_ref(*args, scale, sliding_window=window), **TOLERANCE[dtype])
 
@@ -125,6 +132,35 @@ def test_paged_decode_loads_unpipelined_from_exactly_two_programs_an_sm(monkeypa
         q = torch.zeros(n, 16, 128, dtype=torch.bfloat16)
         pa.paged_decode(q, cache.k_cache, cache.v_cache, cache.page_tables, cache.seq_lens, 0.1)
     assert stages == {32: 3, 33: 1}
+
+
+def test_row_sums_by_dot_give_decodes_16_row_tiles_over_the_prefills_key_tiles(monkeypatch):
+    """paged_decode with sum_by_dot launches decode_tile_config's tiles (busy or not, whatever max_rows): the group's
+    rows padded to 16, over the key tiles that tile_config gives the prefill (a row folds the same tiles, in the same
+    order, so its bits can match), on three stages on Hopper and two elsewhere."""
+    pa = importlib.import_module("chunkwise.kernels.paged_attention")
+    for head_dim, group, dtype, smem in itertools.product((64, 128, 256), (1, 2, 4, 7, 16),
+                                                          (torch.bfloat16, torch.float16, torch.float32),
+                                                          (0, 164 * 1024, 227 * 1024)):
+        rows, block_n, warps, stages = pa.decode_tile_config(head_dim, group, dtype, smem)
+        assert (rows, warps) == (max(16, triton.next_power_of_2(group)), 4)
+        assert block_n == pa.tile_config(head_dim, group, dtype, smem)[1]
+        assert stages == (3 if smem >= pa.HOPPER_SHARED_MEMORY else 2)
+    monkeypatch.setattr(pa, "sm_count", lambda device: 132)
+    monkeypatch.setattr(pa, "shared_memory", lambda device: 227 * 1024)
+    layouts = {}
+
+    def launch(q, k_cache, v_cache, page_tables, seq_lens, qsl, scale, window, out, layout, *rest):
+        layouts[q.shape[0]] = layout   # (block_m, block_q, block_n, num_warps, num_stages, blocks)
+        return q
+    monkeypatch.setattr(pa, "_launch", launch)
+    gen = torch.Generator().manual_seed(0)
+    for n in (2, 33):   # not busy, and busy (test above)
+        cache = paginate([random_kv(3, 8, 128, torch.bfloat16, gen) for _ in range(n)], 16, gen)
+        q = torch.zeros(n, 16, 128, dtype=torch.bfloat16)
+        pa.paged_decode(q, cache.k_cache, cache.v_cache, cache.page_tables, cache.seq_lens, 0.1, max_rows=256,
+                        sum_by_dot=True)
+    assert layouts == {2: (16, 8, 128, 4, 3, 2), 33: (16, 8, 128, 4, 3, 33)}
 
 
 def _chunk_ends(data, length):

@@ -91,20 +91,21 @@ def test_chunked_prefill_is_bitwise_equal_to_one_pass_across_page_sizes_and_batc
 
 @pytest.mark.parametrize("heads, kv_heads, sliding", [(16, 8, None), (32, 8, None), (8, 1, 300)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_64_row_tiles_give_the_128_and_256_row_tiles_bits_for_decodes_and_prefill_chunks(dtype, heads, kv_heads,
-                                                                                      sliding):
-    """Deterministic mode's decodes take 64-row tiles (`paged_decode`: one loop, unpipelined in busy batches, three
-    stages otherwise on Hopper) and its prefill 256 (128 off Hopper): a token's bits must not depend on which.
-    (16- and 32-row tiles, whose dots lower to mma.sync on Hopper, failed this.)"""
-    for seqs in (MIXED, [(100 * i + 37, 1) for i in range(200)]):
+def test_a_rows_bits_do_not_depend_on_the_tile_for_decodes_and_prefill_chunks(dtype, heads, kv_heads, sliding):
+    """64-, 128- and 256-row tiles give a row the same bits, and so does `paged_decode` (one loop; 64 rows,
+    unpipelined in busy batches, three stages otherwise on Hopper). With row sums by dot (deterministic mode's
+    prefill and decodes) paged_decode's 16-row tiles give them too, though their dots lower to mma.sync on Hopper
+    and the taller tiles' to wgmma (with tl.sum's row sums, 16- and 32-row tiles failed this)."""
+    for seqs in (MIXED, [(100 * i + 37, 1) for i in range(200)], [(6000 + 7 * i, 1) for i in range(8)]):
         cache, q, q_lens, seq_lens = _mixed_batch(heads, kv_heads, 128, dtype, seqs, 16, seed=len(seqs))
-        rows = [_attend(paged_attention, cache, q, q_lens, seq_lens, 128 ** -0.5, window=sliding, max_rows=m)
-                for m in (64, 128, 256)]
-        assert torch.equal(rows[0], rows[1]) and torch.equal(rows[0], rows[2]), f"{len(seqs)} sequences"
-        if all(n == 1 for n in q_lens):   # paged_decode's one loop: unpipelined at 8 KV heads (busy), not at 1
-            decode = paged_decode(q, cache.k_cache, cache.v_cache, cache.page_tables, cache.seq_lens, 128 ** -0.5,
-                                  sliding_window=sliding, max_rows=64)
-            assert torch.equal(decode, rows[0])
+        for by_dot in (False, True):
+            rows = [_attend(paged_attention, cache, q, q_lens, seq_lens, 128 ** -0.5, window=sliding, max_rows=m,
+                            sum_by_dot=by_dot) for m in (64, 128, 256)]
+            assert torch.equal(rows[0], rows[1]) and torch.equal(rows[0], rows[2]), f"{len(seqs)} sequences"
+            if all(n == 1 for n in q_lens):   # busy at 8 KV heads and 200 sequences, not at 1 or 8 sequences
+                decode = paged_decode(q, cache.k_cache, cache.v_cache, cache.page_tables, cache.seq_lens,
+                                      128 ** -0.5, sliding_window=sliding, max_rows=64, sum_by_dot=by_dot)
+                assert torch.equal(decode, rows[0]), f"{len(seqs)} sequences, by dot: {by_dot}"
 
 
 def test_split_context_prefill_reuses_its_workspace_and_is_race_free():

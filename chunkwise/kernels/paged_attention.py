@@ -28,6 +28,8 @@ not the single pass's bits: a caller that needs one row to equal another (determ
 One query per sequence (`paged_decode`, deterministic mode's decodes): block s is sequence s (query_start_loc
 unread), every tile is folded masked in one loop, and a batch with programs for two an SM loads unpipelined (one
 stage: how loads are scheduled, not what is summed). The same tiles in the same order: the general launch's bits.
+With row sums by dot (`sum_by_dot`) a row's bits do not depend on the tile's height or warps, so one-token queries
+take 16-row tiles instead of 64 (deterministic mode).
 """
 import functools
 
@@ -65,7 +67,8 @@ def tile_config(head_dim, group, dtype, shared_memory=0, max_rows=256, busy=Fals
     550.2, 665.2 against 767.4, 33.8 against 36.5), with the 128-row tiles' bits on every shape measured (stages
     pipeline the loads; the arithmetic is the same). Tiles of 16 or 32 rows were faster still for decodes (409-421 us
     on the first shape) but Triton lowers their dots to mma.sync rather than wgmma, and their bits differed from
-    the 128-row tiles' on every batch measured. fp32 tiles of 128 rows overflow shared memory, and d256 keeps small
+    the 128-row tiles' on every batch measured (with tl.sum's row sums, whose order follows the tile's layout; with
+    row sums by dot they agree: decode_tile_config). fp32 tiles of 128 rows overflow shared memory, and d256 keeps small
     tiles for registers.
     Busy decode batches take those 64-row tiles unpipelined (one stage): pipelined, a block holds two K and two V
     tiles (144 KB of shared memory, on two stages as on three), so one block an SM, its one warpgroup waiting
@@ -83,6 +86,22 @@ def tile_config(head_dim, group, dtype, shared_memory=0, max_rows=256, busy=Fals
             stages = 1
         return block_m, 128, 8 if rows >= 128 else 4, stages
     return max(64, next_power_of_2(group)), 64 if head_dim <= 128 else 32, 4, 2
+
+
+def decode_tile_config(head_dim, group, dtype, shared_memory=0):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of `paged_decode` with row sums by dot, whose row bits do not
+    depend on the tile: the group's rows padded to 16 (the fewest tl.dot takes) over tile_config's key tiles (the
+    tiles a row folds, and their order, must be the prefill's), 4 warps, three stages on Hopper (two elsewhere).
+
+    On an H200 (16q/8kv bf16, 128-key tiles) these took 0.74x the 64-row tiles' time for 256 decodes at 600
+    tokens (163.7 us against 221.2; split-KV 172.4), 0.69x for 128 at 100-1224 (101.7 / 147.4; split-KV 102.8),
+    0.89x for 64 at 4096 (298.2 / 334.8; split-KV 267.0) and 0.82x for 8 at 6000 (124.2 / 152.3; split-KV 76.9),
+    with the bits of 64-, 128- and 256-row tiles on every batch measured (bf16 and fp16; 16q/8kv, 32q/8kv, 8q/1kv
+    with a window), though their dots lower to mma.sync and the taller tiles' to wgmma. One stage (the 64-row
+    tiles' busy rule) took 1.2-1.5x the time; two stages as three, 8 warps 0.86-1.05x.
+    """
+    block_n = tile_config(head_dim, group, dtype, shared_memory)[1]
+    return max(16, next_power_of_2(group)), block_n, 4, 3 if shared_memory >= HOPPER_SHARED_MEMORY else 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,7 +185,8 @@ def _fold(
     q, q_pos, lo, hi, full_lo, full_hi, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE: tl.constexpr,
     kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, PAGES_PER_TILE: tl.constexpr, ONE_LOOP: tl.constexpr = False,
+    USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, PAGES_PER_TILE: tl.constexpr, ONE_LOOP: tl.constexpr,
+    SUM_BY_DOT: tl.constexpr,
 ):
     """(m, l, acc) of rows q over tiles [lo, hi), from a fresh state: the tiles outside [full_lo, full_hi) masked.
     ONE_LOOP: every tile masked, in one loop (the same bits: a mask that keeps every score changes none)."""
@@ -177,24 +197,24 @@ def _fold(
         return attend_tiles(
             q, q_pos, m_i, l_i, acc, lo, hi, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
             kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
-            HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True, PAGES_PER_TILE,
+            HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True, PAGES_PER_TILE, SUM_BY_DOT,
         )
     f_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     f_hi = tl.minimum(tl.maximum(full_hi, f_lo), hi)
     m_i, l_i, acc = attend_tiles(
         q, q_pos, m_i, l_i, acc, lo, f_lo, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
         kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
-        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True, PAGES_PER_TILE,
+        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True, PAGES_PER_TILE, SUM_BY_DOT,
     )
     m_i, l_i, acc = attend_tiles(
         q, q_pos, m_i, l_i, acc, f_lo, f_hi, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
         kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
-        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, False, PAGES_PER_TILE,
+        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, False, PAGES_PER_TILE, SUM_BY_DOT,
     )
     m_i, l_i, acc = attend_tiles(
         q, q_pos, m_i, l_i, acc, f_hi, hi, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
         kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
-        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True, PAGES_PER_TILE,
+        HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, True, PAGES_PER_TILE, SUM_BY_DOT,
     )
     return m_i, l_i, acc
 
@@ -238,6 +258,7 @@ def _paged_attention_kernel(
     EXPLICIT_POSITIONS: tl.constexpr,
     SPLIT_TILES: tl.constexpr,  # tiles per split (axis 2 of the grid); 0: one pass over the context
     ONE_TOKEN: tl.constexpr,    # one query per sequence (`paged_decode`): block s is sequence s, qsl unread
+    SUM_BY_DOT: tl.constexpr,   # row sums by dot (attend_tiles): a row's bits then do not depend on the tile
 ):
     # Last query blocks first: a sequence's later blocks see more keys, so the longest programs start first
     # and the short ones fill the tail.
@@ -299,7 +320,7 @@ def _paged_attention_kernel(
                 q, q_pos, tl.maximum(t_start, split * SPLIT_TILES), tl.minimum(t_end, (split + 1) * SPLIT_TILES),
                 full_lo, full_hi, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE, kv_head,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
-                BLOCK_M, HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, PAGES_PER_TILE,
+                BLOCK_M, HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, PAGES_PER_TILE, False, SUM_BY_DOT,
             )
             empty = l_i == 0.0   # rows before the split's first key, and padding rows
             o = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -328,20 +349,25 @@ def _paged_attention_kernel(
         m_i, l_i, acc = _fold(
             q, q_pos, t_start, t_end, full_lo, full_hi, seq_len, window, k_cache_ptr, v_cache_ptr, table, PAGE_SIZE,
             kv_head, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, qk_scale,
-            BLOCK_M, HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, PAGES_PER_TILE, ONE_TOKEN,
+            BLOCK_M, HEAD_DIM, D_PAD, BLOCK_N, USE_WINDOW, PRECISION, PAGES_PER_TILE, ONE_TOKEN, SUM_BY_DOT,
         )
         # Padding rows see no key (l_i = 0); only they would divide by zero, and they are not stored.
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptrs, cast(o, out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def _layout(num_tokens, num_heads, head_dim, dtype, device, num_kv_heads, num_seqs, max_rows, busy=False):
-    """(block_m, block_q, block_n, num_warps, num_stages, grid blocks) of a launch."""
+def _layout(num_tokens, num_heads, head_dim, dtype, device, num_kv_heads, num_seqs, max_rows, busy=False,
+            decode_tiles=False):
+    """(block_m, block_q, block_n, num_warps, num_stages, grid blocks) of a launch; decode_tiles: decode_tile_config's
+    tiles (max_rows and busy then do not apply)."""
     if max_rows not in (64, 128, 256):
         raise ValueError(f"max_rows must be 64, 128 or 256, got {max_rows!r}")
     group = num_heads // num_kv_heads
-    block_m, block_n, num_warps, num_stages = tile_config(head_dim, group, dtype, shared_memory(device), max_rows,
-                                                          busy)
+    if decode_tiles:
+        block_m, block_n, num_warps, num_stages = decode_tile_config(head_dim, group, dtype, shared_memory(device))
+    else:
+        block_m, block_n, num_warps, num_stages = tile_config(head_dim, group, dtype, shared_memory(device),
+                                                              max_rows, busy)
     block_q = block_m // group
     # Sequence s's blocks start at query_start_loc[s] // block_q + s, so this bound covers every block
     # without reading query lengths back to the host.
@@ -373,11 +399,18 @@ def paged_split_workspace(num_tokens, num_heads, dtype, k_cache, page_tables, sp
 
 
 def paged_attention(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, scale,
-                    sliding_window=None, out=None, max_rows=256, positions=None, split_size=None, workspace=None):
+                    sliding_window=None, out=None, max_rows=256, positions=None, split_size=None, workspace=None,
+                    sum_by_dot=False):
     """Causal attention of every query row over its sequence's pages; returns out (allocated if None).
 
-    max_rows (64, 128 or 256) caps the rows of a program's tile (see tile_config): deterministic mode's prefill
-    takes 256, its one-token decodes 64 (`paged_decode`; the same bits, tile_config says where measured).
+    max_rows (64, 128 or 256) caps the rows of a program's tile (see tile_config): 64-row tiles give a row the bits
+    of 128- and 256-row ones (tile_config says where measured).
+
+    sum_by_dot: each row's sum of probabilities by a dot with ones, not a reduction over the tile's layout
+    (`attend_tiles`' SUM_BY_DOT), so a row's bits do not depend on the tile at all: `paged_decode(...,
+    sum_by_dot=True)`'s 16-row tiles give them too. Other bits than without it; 1.14-1.17x the time of 256-row
+    prefill tiles on an H200 (16q/8kv bf16, chunks of 512-8192 rows), whose extra dot crowds their registers.
+    Deterministic mode takes it everywhere.
 
     positions (int64 [num_tokens]) places each row explicitly (see the module docstring); a row at the same
     position gets the same bits as without them. Their values are not checked here (that would read them back
@@ -397,7 +430,7 @@ def paged_attention(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc,
     elif workspace is not None:
         raise ValueError("workspace is the split scratch: pass split_size with it")
     return _launch(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, scale, sliding_window, out, layout,
-                   positions, split_size, workspace)
+                   positions, split_size, workspace, sum_by_dot)
 
 
 def busy_decode_seqs(num_kv_heads, device) -> float:
@@ -407,24 +440,27 @@ def busy_decode_seqs(num_kv_heads, device) -> float:
     return cdiv(2 * sms, num_kv_heads) if sms else float("inf")
 
 
-def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, scale, sliding_window=None, out=None, max_rows=64):
+def paged_decode(q, k_cache, v_cache, page_tables, seq_lens, scale, sliding_window=None, out=None, max_rows=64,
+                 sum_by_dot=False):
     """`paged_attention` of one query per sequence (row s is sequence s's newest position), with the bits of
     paged_attention(..., query_start_loc=arange(num_seqs + 1)): the same tiles folded in the same order. Program s
     takes sequence s, where paged_attention's programs each search query_start_loc for theirs (8 dependent loads
     for 256 sequences) and its spare ones find none; and it folds every tile masked in one loop (the same bits:
     a mask that keeps every score changes none), whose single set of pipeline buffers leaves a block fewer
     registers spilled than the three loops' (8 bytes against 72 in the sm_90 build); busy batches load
-    unpipelined (tile_config). max_rows as paged_attention's (deterministic mode's decodes take 64)."""
+    unpipelined (tile_config). max_rows as paged_attention's. sum_by_dot as paged_attention's, whose bits it then
+    gives from 16-row tiles (decode_tile_config: mostly faster than split-KV for busy batches), max_rows unused."""
     _check(q, k_cache, v_cache, page_tables, seq_lens, None, sliding_window, out, None)
     num_seqs, num_heads, head_dim = q.shape
-    busy = num_seqs >= busy_decode_seqs(k_cache.shape[2], q.device)
-    layout = _layout(num_seqs, num_heads, head_dim, q.dtype, q.device, k_cache.shape[2], num_seqs, max_rows, busy)
+    busy = not sum_by_dot and num_seqs >= busy_decode_seqs(k_cache.shape[2], q.device)
+    layout = _layout(num_seqs, num_heads, head_dim, q.dtype, q.device, k_cache.shape[2], num_seqs, max_rows, busy,
+                     decode_tiles=sum_by_dot)
     return _launch(q, k_cache, v_cache, page_tables, seq_lens, None, scale, sliding_window, out,
-                   layout[:-1] + (num_seqs,), None, None, None)
+                   layout[:-1] + (num_seqs,), None, None, None, sum_by_dot)
 
 
 def _launch(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, scale, sliding_window, out, layout,
-            positions, split_size, workspace):
+            positions, split_size, workspace, sum_by_dot):
     """One launch of the kernel over `layout`'s blocks; query_start_loc None: one query per sequence."""
     out = torch.empty_like(q) if out is None else out
     num_tokens, num_heads, head_dim = q.shape
@@ -446,6 +482,7 @@ def _launch(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, scale, 
         USE_WINDOW=sliding_window is not None, PRECISION=precision_for(q.dtype),
         PAGES_PER_TILE=pages_per_tile(k_cache.shape[1], block_n), EXPLICIT_POSITIONS=positions is not None,
         SPLIT_TILES=split_size // block_n if split_size is not None else 0, ONE_TOKEN=query_start_loc is None,
+        SUM_BY_DOT=sum_by_dot,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
     )
     return out
