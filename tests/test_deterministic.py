@@ -173,24 +173,26 @@ FIRST_STEP = sum(PROMPT_LENS[:2])   # prefill rows of the test's first step: bot
 
 
 @pytest.mark.parametrize("deterministic, split_rows, calls", [
-    # one pass: prefill in 256-row tiles, decodes on their own path in 64 (the same bits)
-    (True, 512, {("paged_attention", 256, None), ("paged_decode", 64, None)}),
+    # one pass: prefill in 256-row tiles, decodes on their own path in 16 (paged_decode's tiles), every row summing
+    # by dot (the same bits from any tile)
+    (True, 512, {("paged_attention", 256, None, True), ("paged_decode", None, None, True)}),
     # a step of exactly PREFILL_SPLIT_ROWS rows splits, in 128-row tiles
-    (False, FIRST_STEP, {("paged_attention", 128, 512)}),
+    (False, FIRST_STEP, {("paged_attention", 128, 512, False)}),
     # one row more than it takes one pass, in up to 256 rows
-    (False, FIRST_STEP - 1, {("paged_attention", 256, None)}),
+    (False, FIRST_STEP - 1, {("paged_attention", 256, None, False)}),
 ])
 def test_attention_tiles_and_context_splits_by_mode_and_step(ckpt, prompts, monkeypatch, deterministic, split_rows,
                                                             calls):
-    # Deterministic decodes take the prefill's key tiles in one warpgroup's rows (the same bits), and its prefill
-    # never splits (a token's bits must not depend on the step); one pass may take 256 rows on Hopper (the CPU's
-    # interpreter takes 128 either way). The default mode's decodes are split-KV.
+    # Deterministic decodes take paged_decode's own tiles and its prefill never splits (a token's bits must not
+    # depend on the step); one pass may take 256 rows on Hopper (the CPU's interpreter takes 128 either way). The
+    # default mode's decodes are split-KV.
     seen = set()
 
     def recording(fn):
-        def record(*args, max_rows, split_size=None, **kwargs):
-            seen.add((fn.__name__, max_rows, split_size))
-            return fn(*args, max_rows=max_rows, **({"split_size": split_size} if split_size else {}), **kwargs)
+        def record(*args, max_rows=None, split_size=None, sum_by_dot=False, **kwargs):
+            seen.add((fn.__name__, max_rows, split_size, sum_by_dot))
+            given = {"max_rows": max_rows, "split_size": split_size}
+            return fn(*args, **{k: v for k, v in given.items() if v is not None}, sum_by_dot=sum_by_dot, **kwargs)
         return record
     monkeypatch.setattr(chunkwise.engine.model, "paged_attention", recording(paged_attention))
     monkeypatch.setattr(chunkwise.engine.model, "paged_decode", recording(paged_decode))

@@ -11,7 +11,8 @@ layers need, so the runner can replay those as a CUDA graph (`forward`'s `tail`)
 Deterministic mode (`deterministic=True`): every op on a token's path gives that token the same bits whatever its
 batch-mates, chunk boundaries or page size, and whether prefill, decode or a recompute computes it. The GEMMs take
 `chunkwise.kernels.matmul` (no split-K, tiles that keep a row's MMA chain) instead of torch's M-dependent BLAS;
-decodes take the single pass that prefill rows take (`paged_decode`), not split-KV. Norms, RoPE+store and the
+decodes take the single pass that prefill rows take (`paged_decode`), not split-KV, and every attention row sums
+its probabilities by dot (`sum_by_dot`), so its bits do not depend on the tile either. Norms, RoPE+store and the
 activation already keep a row's bits (their rows per program depend on the width only), and RoPE's cos/sin are
 elementwise.
 
@@ -37,8 +38,7 @@ from chunkwise.model_config import ModelConfig
 from chunkwise.kernels import (CascadeGroups, act_and_mul, add_rms_norm, cascade_decode, matmul, paged_attention,
                                paged_decode, rms_norm, rope_cos_sin, rope_store, split_kv_decode)
 from chunkwise.kernels.matmul import config_changes
-from chunkwise.kernels.tiling import cdiv
-from chunkwise.kernels.paged_attention import busy_decode_seqs, paged_split_workspace
+from chunkwise.kernels.paged_attention import paged_split_workspace
 from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE, SplitWorkspace, num_splits_for, split_workspace
 from chunkwise.engine.blend import BlendInputs, select_rows
 from chunkwise.engine.kv_cache import LayerCaches
@@ -88,16 +88,10 @@ PREFILL_SPLIT_SIZE = 512
 PREFILL_SPLIT_TILE_ROWS = 128   # the split launches' tile cap, and so their workspace's
 # A blend's rows after its check layers lie anywhere in the context, each query block spanning most of it.
 BLEND_SPLIT_ROWS = 1024
-# One-pass prefill tiles' rows (256 on Hopper, else 128: tile_config), in both modes: deterministic mode's decodes
-# on DETERMINISTIC_DECODE_ROWS give a row the bits of 128- and 256-row tiles alike (tile_config;
-# tests/test_kernels_gpu.py), so a token's bits do not depend on which computed it. On an H200 the 256-row tiles
-# took 0.91x the 128-row ones' time over three prefill chunks (300-4096 rows after 2-4k, 16q/8kv).
+# One-pass prefill tiles' rows (256 on Hopper, else 128: tile_config), in both modes. On an H200 the 256-row tiles
+# took 0.91x the 128-row ones' time over three prefill chunks (300-4096 rows after 2-4k, 16q/8kv). Deterministic
+# mode's decodes take 16-row tiles (paged_decode with sum_by_dot), whose rows get these tiles' bits.
 PREFILL_TILE_ROWS = 256
-# Deterministic decodes' tile rows: one warpgroup of the prefill's 128-key tiles, on three stages on Hopper, one in
-# busy batches (tile_config, paged_decode). One-token queries leave taller tiles mostly padding; on an H100 decode
-# batches took 15-17% less time than on 128 rows, and the third stage took 9-18% off that (7-13% on an H200). Fewer
-# rows (16, 32) would be faster still, but their dots lower to mma.sync, not the prefill's wgmma, and gave other bits.
-DETERMINISTIC_DECODE_ROWS = 64
 
 
 class Model:
@@ -289,26 +283,16 @@ class Model:
         return paged_split_workspace(p, self._heads()[0], self.embed.dtype, k_cache, inp.page_tables,
                                      PREFILL_SPLIT_SIZE, max_rows=PREFILL_SPLIT_TILE_ROWS)
 
-    def warm_up_deterministic(self, max_rows: int, kv_caches: LayerCaches) -> None:
+    def warm_up_deterministic(self, max_rows: int) -> None:
         """Deterministic mode: compiles what the eager warm-up's small steps do not reach, so that none compiles
         inside a user's step: one product per tile that a step of up to max_rows rows takes (matmul_config grows
-        its tiles with the rows), and busy decode batches (paged_decode's unpipelined tiles) for each window the
-        layers take. They read page 0 of layer 0 and write scratch."""
+        its tiles with the rows). Each writes scratch."""
         if not self.deterministic:
             return
         lw = self.layers[0]
         for w in (lw["qkv"], lw["o"], lw["gate_up"], lw["down"], self.lm_head):
             for m in config_changes(w.shape[0], w.shape[1], w.dtype, w.device, max_rows):
                 matmul(torch.zeros(m, w.shape[1], dtype=w.dtype, device=w.device), w)
-        k_cache, v_cache = kv_caches[0]
-        heads, kv_heads = self._heads()
-        busy = cdiv(busy_decode_seqs(kv_heads, k_cache.device), 16) * 16
-        for n in (busy, busy + 1):   # a multiple of 16 and not: Triton specialises the count on it
-            q = torch.zeros(n, heads, self.cfg.head_dim, dtype=k_cache.dtype, device=k_cache.device)
-            ones = torch.ones(n, dtype=torch.int32, device=q.device)
-            for window in {self.cfg.window(i) for i in range(self.cfg.num_layers)}:
-                paged_decode(q, k_cache, v_cache, torch.zeros_like(ones)[:, None], ones, self.cfg.attn_scale,
-                             sliding_window=window, max_rows=DETERMINISTIC_DECODE_ROWS)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x @ w.T for a weight w [out, in]: batch-invariant in deterministic mode, torch's BLAS otherwise."""
@@ -325,8 +309,7 @@ class Model:
         k_cache, v_cache = kv
         args = (q, k_cache, v_cache, inp.decode_page_tables, inp.decode_seq_lens)
         if self.deterministic:
-            paged_decode(*args, self.cfg.attn_scale, sliding_window=window, out=out,
-                         max_rows=DETERMINISTIC_DECODE_ROWS)
+            paged_decode(*args, self.cfg.attn_scale, sliding_window=window, out=out, sum_by_dot=True)
         elif inp.cascade is not None:
             cascade_decode(*args, inp.cascade, self.cfg.attn_scale, sliding_window=window,
                            split_size=self.split_size, out=out, workspace=workspace)
@@ -375,7 +358,8 @@ class Model:
                             cfg.attn_scale, sliding_window=window, out=out[:p],
                             max_rows=PREFILL_SPLIT_TILE_ROWS if split else PREFILL_TILE_ROWS,
                             positions=inp.positions[:p] if inp.explicit_positions else None,
-                            split_size=PREFILL_SPLIT_SIZE if split else None, workspace=prefill_workspace)
+                            split_size=PREFILL_SPLIT_SIZE if split else None, workspace=prefill_workspace,
+                            sum_by_dot=self.deterministic)
         if side is not None:
             torch.cuda.current_stream(q.device).wait_stream(side)
         out = self._linear(out.reshape(t, -1), lw["o"])

@@ -287,7 +287,7 @@ class ModelRunner:
                                             {})
                     inp.explicit_positions = True
                     self.model.forward(inp, self.kv.layers)
-            self.model.warm_up_deterministic(self.engine_config.max_num_batched_tokens, self.kv.layers)
+            self.model.warm_up_deterministic(self.engine_config.max_num_batched_tokens)
         torch.cuda.synchronize(self.device)
 
     def _above_custom_all_reduce(self) -> list[list[int]]:
