@@ -244,10 +244,13 @@ MUTANTS = [
            "deterministic mode's prefill sums its rows with tl.sum while its decodes sum by dot: a token's K/V "
            "depend on whether prefill or decode computed it"),
     Mutant("interpreter_dot_splits_by_tile_height", "chunkwise/kernels/tiling.py",
-           "        if INTERPRET_MAX_ROWS * a.shape[1] * bt.shape[0] > INTERPRET_MAX_NUMEL:",
-           "        if a.shape[0] * a.shape[1] * bt.shape[0] > INTERPRET_MAX_NUMEL:",
-           "the interpreter's dot splits even and odd k by the tile's own size: a 128-row tile sums a row otherwise "
-           "than a 16-row one, so the CPU suite would see the tile in a row's bits"),
+           "        c = tl.sum(a0[:, None, :] * b0[None, :, :], 2) + tl.sum(a1[:, None, :] * b1[None, :, :], 2)\n",
+           "        if a.shape[0] * a.shape[1] * bt.shape[0] > 2 ** 20:\n"
+           "            c = tl.sum(a0[:, None, :] * b0[None, :, :], 2) + tl.sum(a1[:, None, :] * b1[None, :, :], 2)\n"
+           "        else:\n"
+           "            c = tl.sum(a[:, None, :] * bt[None, :, :], 2)\n",
+           "the interpreter's dot splits even and odd k only where the tile's own products pass Triton's cap: a "
+           "128-row tile sums a row otherwise than a 16-row one, so the CPU suite would see the tile in a row's bits"),
     Mutant("host_cdiv_floors", "chunkwise/kernels/tiling.py",
            "    return -(a // -b)\n",
            "    return a // b\n",

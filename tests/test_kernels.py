@@ -148,6 +148,9 @@ def test_row_sums_by_dot_give_decodes_16_row_tiles_over_the_prefills_key_tiles(m
         assert (rows, warps) == (max(16, triton.next_power_of_2(group)), 4)
         assert block_n == pa.tile_config(head_dim, group, dtype, smem)[1]
         assert stages == (3 if smem >= pa.HOPPER_SHARED_MEMORY else 2)
+    # three stages from exactly Hopper's threshold, two one byte below it
+    assert [pa.decode_tile_config(128, 2, torch.bfloat16, smem)[3]
+            for smem in (pa.HOPPER_SHARED_MEMORY, pa.HOPPER_SHARED_MEMORY - 1)] == [3, 2]
     monkeypatch.setattr(pa, "sm_count", lambda device: 132)
     monkeypatch.setattr(pa, "shared_memory", lambda device: 227 * 1024)
     layouts = {}

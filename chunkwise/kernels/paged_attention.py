@@ -31,7 +31,6 @@ stage: how loads are scheduled, not what is summed). The same tiles in the same 
 With row sums by dot (`sum_by_dot`) a row's bits do not depend on the tile's height or warps, so one-token queries
 take 16-row tiles instead of 64 (deterministic mode).
 """
-import functools
 
 import torch
 import triton
@@ -40,7 +39,7 @@ import triton.language as tl
 from chunkwise.kernels.attention_tile import (LOG2E, attend_ref, attend_tiles, check_cache, check_window, gather_kv_ref,
                                     pages_per_tile)
 from chunkwise.kernels.split_kv import SplitWorkspace, check_workspace
-from chunkwise.kernels.tiling import cast, cdiv, next_power_of_2, precision_for, sm_count
+from chunkwise.kernels.tiling import cast, cdiv, next_power_of_2, precision_for, shared_memory, sm_count
 
 
 # A block's opt-in shared memory from which a GPU counts as Hopper-class here (H100/H200: 227 KB; A100: 164 KB):
@@ -102,16 +101,6 @@ def decode_tile_config(head_dim, group, dtype, shared_memory=0):
     """
     block_n = tile_config(head_dim, group, dtype, shared_memory)[1]
     return max(16, next_power_of_2(group)), block_n, 4, 3 if shared_memory >= HOPPER_SHARED_MEMORY else 2
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_shared_memory(device: torch.device) -> int:
-    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
-
-
-def shared_memory(device: torch.device) -> int:
-    """Bytes of shared memory a block may opt into on the device (0 on the CPU, or where torch does not say)."""
-    return _cuda_shared_memory(device) if device.type == "cuda" else 0
 
 
 def _check(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, sliding_window, out, positions):

@@ -36,6 +36,15 @@ def sm_count(device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def shared_memory(device) -> int:
+    """Bytes of shared memory a block may opt into on a CUDA device (0 elsewhere, or where torch does not say)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
+
+
+@functools.lru_cache(maxsize=None)
 def capability(device) -> tuple[int, int]:
     """A CUDA device's compute capability ((9, 0) for Hopper); (0, 0) elsewhere."""
     device = torch.device(device)
@@ -63,9 +72,6 @@ def check_float(name: str, t: torch.Tensor):
 # `tl.dot` is the host BLAS's matmul, whose rounding of a row can depend on the row's place in the tile
 # (OpenBLAS's Haswell kernel does), and bfloat16 is raw uint16 bits that arithmetic and `.to` get wrong.
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"))
-INTERPRET_MAX_NUMEL = tl.constexpr(2 ** 20)  # Triton's cap on a tensor's elements
-# The tallest tile the interpreter's `dot` is given (tile_config's rows without Hopper's shared memory).
-INTERPRET_MAX_ROWS = tl.constexpr(128)
 
 
 def precision_for(dtype):
@@ -81,14 +87,12 @@ def dot(a, b, PRECISION: tl.constexpr):
     if INTERPRET:
         a = a.to(tl.float32)
         bt = tl.trans(b.to(tl.float32))  # [N, K]: the products' reduction runs along numpy's contiguous axis
-        if INTERPRET_MAX_ROWS * a.shape[1] * bt.shape[0] > INTERPRET_MAX_NUMEL:
-            # [M, N, K] products of the tallest tile would exceed Triton's tensor limit (128-wide 16-bit tiles):
-            # even and odd k separately, decided by K and N alone so that a row sums alike in a tile of any height.
-            a0, a1 = tl.split(tl.reshape(a, [a.shape[0], a.shape[1] // 2, 2]))
-            b0, b1 = tl.split(tl.reshape(bt, [bt.shape[0], bt.shape[1] // 2, 2]))
-            c = tl.sum(a0[:, None, :] * b0[None, :, :], 2) + tl.sum(a1[:, None, :] * b1[None, :, :], 2)
-        else:
-            c = tl.sum(a[:, None, :] * bt[None, :, :], 2)
+        # Even and odd k apart, at every size: the [M, N, K] products of 128-wide 16-bit tiles would pass Triton's
+        # cap on a tensor's elements (2**20), and splitting only the large ones would sum a row otherwise in a
+        # taller tile than in a shorter one.
+        a0, a1 = tl.split(tl.reshape(a, [a.shape[0], a.shape[1] // 2, 2]))
+        b0, b1 = tl.split(tl.reshape(bt, [bt.shape[0], bt.shape[1] // 2, 2]))
+        c = tl.sum(a0[:, None, :] * b0[None, :, :], 2) + tl.sum(a1[:, None, :] * b1[None, :, :], 2)
     else:
         c = tl.dot(a, b, input_precision=PRECISION)
     return c
