@@ -109,12 +109,12 @@ class Model:
         self.reduce_in_norm = (tp is not None and tp.custom is not None and not cfg.sandwich_norms
                                and not cfg.o_proj_bias)
         self.embed = weights["model.embed_tokens.weight"]
-        # A mixed step's split-KV decodes (memory-bound) run on this stream beside its prefill attention
-        # (compute-bound, one 256-row program per SM), on the SMs the prefill's last wave leaves idle (H200,
-        # prefill-heavy benchmark: 69.5% -> 72.6% of its roofline; same tokens). None on the CPU, and in
-        # deterministic mode, whose decodes are not split-KV.
+        # A mixed step's decodes (memory-bound) run on this stream beside its prefill attention (compute-bound,
+        # one 256-row program per SM), on the SMs the prefill's last wave leaves idle (H200, prefill-heavy
+        # benchmark: 69.5% -> 72.6% of its roofline; same tokens). Deterministic mode's too: which SM runs a
+        # program, and when, changes none of its bits. None on the CPU.
         device = self.embed.device
-        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" and not deterministic else None
+        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.final_norm = weights["model.norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
         if tp is not None and self.lm_head.shape[0] < tp.vocab_rows:   # the last vocabulary slices: zero rows
