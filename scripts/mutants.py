@@ -176,9 +176,14 @@ MUTANTS = [
            "        if stages == 3 and busy:\n            stages = 2\n",
            "busy decode batches take two stages instead of one: the same two K and V buffers as three (144 KB), so "
            "one block an SM where one stage would fit two"),
+    Mutant("paged_attention_grid_misses_kv_heads", "chunkwise/kernels/paged_attention.py",
+           "    _paged_attention_kernel[(blocks * num_kv_heads, splits)](\n",
+           "    _paged_attention_kernel[(blocks, splits)](\n",
+           "the launch gives axis 0 one program a query block, as before the KV heads joined it: most (block, "
+           "head) pairs are never computed"),
     Mutant("paged_decode_row_of_the_launch_order", "chunkwise/kernels/paged_attention.py",
            "        q_start = s\n        q_len = 1\n",
-           "        q_start = tl.program_id(0)\n        q_len = 1\n",
+           "        q_start = tl.program_id(0) // num_kv_heads\n        q_len = 1\n",
            "paged_decode takes its query row by launch order, forgetting that the programs run the last sequence "
            "first: each sequence's keys meet another sequence's query"),
     Mutant("paged_decode_one_loop_skips_the_mask", "chunkwise/kernels/paged_attention.py",
@@ -269,7 +274,7 @@ MUTANTS = [
            "deterministic mode's short prefill steps split their context, so a token's bits depend on its step"),
     Mutant("gqa_paged_q_head_mod_kv_heads", "chunkwise/kernels/paged_attention.py",
            "    head = kv_head * GROUP + rows % GROUP\n",
-           "    head = rows % GROUP * tl.num_programs(1) + kv_head\n",
+           "    head = rows % GROUP * num_kv_heads + kv_head\n",
            "prefill attention maps query head h to KV head h % kv_heads instead of h // group"),
     Mutant("gqa_split_q_head_mod_kv_heads", "chunkwise/kernels/split_kv.py",
            "        head = kv_head * GROUP + rows\n",

@@ -238,21 +238,23 @@ def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     positions_ptr,  # int64 [num_tokens], read if EXPLICIT_POSITIONS (None otherwise)
     partial_out_ptr, partial_lse_ptr, arrivals_ptr,  # the split scratch (module docstring) if SPLIT_TILES
-    num_seqs, qk_scale, window,
+    num_seqs, num_kv_heads, qk_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, PAGES_PER_TILE: tl.constexpr,
     EXPLICIT_POSITIONS: tl.constexpr,
-    SPLIT_TILES: tl.constexpr,  # tiles per split (axis 2 of the grid); 0: one pass over the context
+    SPLIT_TILES: tl.constexpr,  # tiles per split (axis 1 of the grid); 0: one pass over the context
     ONE_TOKEN: tl.constexpr,    # one query per sequence (`paged_decode`): block s is sequence s, qsl unread
     SUM_BY_DOT: tl.constexpr,   # row sums by dot (attend_tiles): a row's bits then do not depend on the tile
 ):
-    # Last query blocks first: a sequence's later blocks see more keys, so the longest programs start first
-    # and the short ones fill the tail.
-    block_idx = tl.num_programs(0) - 1 - tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # Last query blocks first, each block's KV heads side by side: a sequence's later blocks see more keys, so the
+    # longest programs start first on every head, and the short ones fill the tail. (Head by head, the last
+    # head's longest blocks started late, as the first heads' short ones finished.)
+    r = tl.num_programs(0) - 1 - tl.program_id(0)
+    block_idx = r // num_kv_heads
+    kv_head = r % num_kv_heads
     if ONE_TOKEN:
         s = block_idx
         q_start = s
@@ -299,7 +301,7 @@ def _paged_attention_kernel(
     table = page_tables_ptr + s.to(tl.int64) * stride_bt
     out_ptrs = out_ptr + row_tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     if SPLIT_TILES > 0:
-        split = tl.program_id(2)
+        split = tl.program_id(1)
         first = t_start // SPLIT_TILES
         last = tl.cdiv(t_end, SPLIT_TILES)   # the block's splits: first..last-1
         if (split >= first) & (split < last):
@@ -317,8 +319,8 @@ def _paged_attention_kernel(
                 # The block's only split: merging it would weigh it by exp2(0) = 1 and divide by 1, these bits.
                 tl.store(out_ptrs, cast(o, out_ptr.dtype.element_ty), mask=io_mask)
             else:
-                slot = block_idx * tl.num_programs(1) + kv_head   # this (block, KV head)'s partials
-                j = (slot * tl.num_programs(2) + split).to(tl.int64)
+                slot = block_idx * num_kv_heads + kv_head   # this (block, KV head)'s partials
+                j = (slot * tl.num_programs(1) + split).to(tl.int64)
                 tl.store(partial_out_ptr + j * (BLOCK_M * D_PAD) + rows[:, None] * D_PAD + d[None, :], o,
                          mask=io_mask)
                 tl.store(partial_lse_ptr + j * BLOCK_M + rows,
@@ -329,7 +331,7 @@ def _paged_attention_kernel(
                 arrived = tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu")
                 if arrived == last - first - 1:
                     tl.store(arrival, 0)  # every split of this (block, KV head) is in: ready for the next launch
-                    o = _merge_splits(partial_out_ptr, partial_lse_ptr, (slot * tl.num_programs(2)).to(tl.int64),
+                    o = _merge_splits(partial_out_ptr, partial_lse_ptr, (slot * tl.num_programs(1)).to(tl.int64),
                                       first, last, row_ok, d_ok, BLOCK_M, D_PAD)
                     tl.store(out_ptrs, cast(o, out_ptr.dtype.element_ty), mask=io_mask)
     else:
@@ -458,11 +460,11 @@ def _launch(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, scale, 
         return out
     block_m, block_q, block_n, num_warps, num_stages, blocks = layout
     splits = workspace.partial_out.shape[2] if workspace is not None else 1
-    _paged_attention_kernel[(blocks, num_kv_heads, splits)](
+    _paged_attention_kernel[(blocks * num_kv_heads, splits)](
         q, k_cache, v_cache, out, page_tables, seq_lens, query_start_loc, positions,
         *((workspace.partial_out, workspace.partial_lse, workspace.arrivals) if workspace is not None
           else (None, None, None)),
-        num_seqs, scale * LOG2E, sliding_window or 0,
+        num_seqs, num_kv_heads, scale * LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), page_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
