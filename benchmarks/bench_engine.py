@@ -14,6 +14,8 @@ Per workload:
                Both runs are asserted to hit no prefix-cache page, and the timed run to compile no
                Triton kernel (every specialisation it uses was compiled before it).
   deterministic  chunkwise.Engine(deterministic=True), after a first run; its ratio to the default mode.
+  fa3_prefill  chunkwise.Engine(attention_backend="fa3"), after a first run, where vLLM's FlashAttention-3 runs
+               (skipped elsewhere); its ratio to the default mode.
   eager_mixed_steps  chunkwise.Engine(max_graph_tokens=0), after a first run: mixed and prefill steps eager
                (decode-only steps still replay graphs); the default's ratio to it.
   sync_scheduling  chunkwise.Engine(async_scheduling=False), after a first run: the default mode without
@@ -42,6 +44,7 @@ import torch
 
 from benchmarks.roofline import ModelCost, measure_ceilings, workload_roofline
 from chunkwise.checkpoints import tiny_checkpoint
+from chunkwise.kernels.fa3 import fa3_unavailable
 from chunkwise.model_config import ModelConfig
 from chunkwise.engine import Engine, SamplingParams
 
@@ -292,6 +295,16 @@ def test_deterministic_engine(benchmark, ckpt, case, ceilings, cost):
     """Engine(deterministic=True) on the same workload."""
     tokens, seconds, default = _variant(benchmark, ckpt, case, cost, ceilings, deterministic=True)
     record(case[0], "deterministic", tokens, seconds, case[3], benchmark,
+           vs_default=round(tokens / seconds / default, 3) if default else None)
+
+
+def test_fa3_prefill_engine(benchmark, ckpt, case, ceilings, cost):
+    """Engine(attention_backend="fa3") on the same workload: vLLM's FA3 for the long prefill chunks."""
+    why = fa3_unavailable(torch.device("cuda"), torch.bfloat16, QWEN3_0_6B_SHAPE["head_dim"])
+    if why is not None:
+        pytest.skip(f"attention_backend='fa3': {why}")
+    tokens, seconds, default = _variant(benchmark, ckpt, case, cost, ceilings, attention_backend="fa3")
+    record(case[0], "fa3_prefill", tokens, seconds, case[3], benchmark,
            vs_default=round(tokens / seconds / default, 3) if default else None)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from chunkwise.checkpoints import resolve_model
+from chunkwise.kernels.fa3 import fa3_unavailable
 from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE, split_tile_config
 from chunkwise.model_config import ModelConfig
 from chunkwise.tokenizer import is_int
@@ -25,13 +26,14 @@ DEVICE_TYPES = ("cpu", "cuda")
 # contexts; on CPU only long sequences take it by default. On GPU every decode does, which is also what the decode
 # CUDA graphs capture.
 CPU_SPLIT_KV_THRESHOLD = 256
+ATTENTION_BACKENDS = ("triton", "fa3")
 
 # Fields that only the optimized engine's paging, batching and kernels use.
 REFERENCE_IGNORED = ("page_size", "num_pages", "gpu_memory_utilization", "max_num_batched_tokens",
                      "max_prefill_tokens_with_decodes", "max_num_seqs",
                      "enable_prefix_caching", "enforce_eager", "split_kv_threshold", "split_size", "cascade_attention",
-                     "deterministic", "tensor_parallel_size", "custom_all_reduce", "async_scheduling",
-                     "max_pinned_fraction", "max_graph_tokens")
+                     "deterministic", "attention_backend", "tensor_parallel_size", "custom_all_reduce",
+                     "async_scheduling", "max_pinned_fraction", "max_graph_tokens")
 
 
 def _positive_int(name: str, value, low: int = 1) -> None:
@@ -66,6 +68,9 @@ class EngineConfig:
     cascade_attention: bool = True           # decodes sharing prefix splits read them once per step
     deterministic: bool = False              # batch-invariant: a token's bits independent of batch, chunks, pages
                                              # (no split-KV then, so split_kv_threshold/split_size/cascade do not apply)
+    attention_backend: str = "triton"        # prefill attention: "triton" (chunkwise's kernels) or "fa3" (vLLM's
+                                             # FlashAttention-3, where installed, on Hopper; not with
+                                             # deterministic=True). Decodes and blends keep chunkwise's kernels.
     tensor_parallel_size: int = 1            # ranks (one process and device each) sharding the model, Megatron-style
     custom_all_reduce: bool = False          # tensor parallel on GPUs: small all-reduces through peer memory, not
                                              # NCCL (opt-in: README, Several GPUs)
@@ -112,6 +117,7 @@ class EngineConfig:
         set_("path", path)
         set_("model_config", model_config)
         _check_tensor_parallel(self)
+        _check_attention_backend(self)
         if self.split_kv_threshold is None:
             set_("split_kv_threshold", 0 if self.device.type == "cuda" else CPU_SPLIT_KV_THRESHOLD)
         split_size = DEFAULT_SPLIT_SIZE if self.split_size is None else self.split_size
@@ -154,6 +160,22 @@ def _check_tensor_parallel(config: EngineConfig) -> None:
         if first + n > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={n} needs CUDA devices {first}..{first + n - 1} (one per rank, "
                              f"from device {config.device}); only {torch.cuda.device_count()} visible")
+
+
+def _check_attention_backend(config: EngineConfig) -> None:
+    """Refuses an unknown backend, and FA3 where it cannot run: a model it does not take, a device without it, or
+    deterministic mode (whose decodes give the bits of chunkwise's prefill kernel)."""
+    backend = config.attention_backend
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {backend!r}")
+    if backend != "fa3":
+        return
+    if config.deterministic:
+        raise ValueError("attention_backend='fa3' does not combine with deterministic=True: deterministic decodes "
+                         "give the bits of chunkwise's own prefill kernel")
+    why = fa3_unavailable(config.device, config.dtype, config.model_config.head_dim)
+    if why is not None:
+        raise ValueError(f"attention_backend='fa3' cannot run here: {why}")
 
 
 def _resolve_dtype(dtype) -> torch.dtype:

@@ -49,6 +49,7 @@ SELECTION = [
     "tests/test_reference_engine.py",
     "tests/test_reference_vs_hf.py",
     "tests/test_limits.py",
+    "tests/test_attention_backend.py",
     "tests/test_text.py",
     "tests/test_parity.py",
     "tests/test_page_pool.py",
@@ -896,6 +897,25 @@ MUTANTS = [
            '        if not dtype.is_floating_point:\n',
            '        if dtype is torch.bool:\n',
            "load_weights checks dtype names but lets an integer torch.dtype through, truncating every weight"),
+    # ---- attention_backend="fa3" (its routing; FA3 itself runs on Hopper only) -------------------------------
+    Mutant("fa3_backend_takes_a_blends_rows", "chunkwise/engine/model.py",
+           "        return self.fa3_prefill and not inp.explicit_positions\n",
+           "        return self.fa3_prefill\n",
+           "a blend's rows go to FA3 too, which takes each sequence's rows as its last positions: the blend's "
+           "recomputed rows, scattered through the context, attend as if they ended it"),
+    Mutant("fa3_backend_never_splits", "chunkwise/engine/model.py",
+           "split=p <= PREFILL_SPLIT_ROWS)",
+           "split=False)",
+           "short prefill steps take FA3 in one pass, where chunkwise's kernel splits their context: a short chunk "
+           "after a long context fills few SMs (one pass took 1.2-3.0x the split time on an H100)"),
+    Mutant("fa3_backend_accepted_in_deterministic_mode", "chunkwise/engine_config.py",
+           "    if config.deterministic:\n        raise ValueError(\"attention_backend='fa3' does not combine",
+           "    if False:\n        raise ValueError(\"attention_backend='fa3' does not combine",
+           "deterministic mode takes FA3 for its prefill, whose bits its decodes (chunkwise's single pass) do not give"),
+    Mutant("fa3_backend_not_passed_to_the_model", "chunkwise/engine/model_runner.py",
+           'fa3_prefill=config.attention_backend == "fa3")',
+           "fa3_prefill=False)",
+           "attention_backend='fa3' is validated but never reaches the model: every step takes chunkwise's kernel"),
 ]
 
 

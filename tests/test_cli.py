@@ -281,7 +281,7 @@ def test_serve_passes_every_engine_option_under_its_engine_config_name(served):
             "--max-num-batched-tokens", "32", "--max-prefill-tokens-with-decodes", "16", "--max-num-seqs", "4",
             "--tensor-parallel-size", "2",
             "--split-kv-threshold", "0", "--split-size", "128", "--max-graph-tokens", "64",
-            "--gpu-memory-utilization", "0.5",
+            "--gpu-memory-utilization", "0.5", "--attention-backend", "fa3",
             "--no-enable-prefix-caching", "--enforce-eager", "--no-cascade-attention", "--deterministic",
             "--async-scheduling", "--no-custom-all-reduce"]
     model, kw = served("--model", "tiny-llama", *argv)["engine"]
@@ -291,7 +291,8 @@ def test_serve_passes_every_engine_option_under_its_engine_config_name(served):
         "tensor_parallel_size": 2, "split_kv_threshold": 0,
         "split_size": 128, "max_graph_tokens": 64, "gpu_memory_utilization": 0.5, "enable_prefix_caching": False,
         "enforce_eager": True,
-        "cascade_attention": False, "deterministic": True, "async_scheduling": True, "custom_all_reduce": False}
+        "cascade_attention": False, "deterministic": True, "attention_backend": "fa3", "async_scheduling": True,
+        "custom_all_reduce": False}
     assert set(kw) == set(ENGINE_OPTIONS) and set(ENGINE_OPTIONS) <= set(EngineConfig.__dataclass_fields__)
 
 

@@ -7,6 +7,7 @@ sequence from the split size, steps from the token budget, CUDA-graph buckets fr
 it, independently, so every remainder is reached; `@example`s pin the edges (remainder 0, 1 and page_size - 1, a
 page larger than max_model_len, a request of exactly max_model_len)."""
 
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -329,6 +330,7 @@ def test_a_prompt_of_exactly_the_token_budget_takes_one_step_and_one_token_more_
     ("dtype", ["float32", "bfloat16", "float16", torch.float16], ["float64", torch.float64, "fp16", None, 32]),
     ("device", [None, "cpu", torch.device("cpu")], ["tpu", "not a device", 3.5]),
     ("tensor_parallel_size", [1, 2, 4], [0, 3, 8, 2.0]),
+    ("attention_backend", ["triton"], ["fa2", "FA3", None, 3]),
 ])
 def test_each_engine_config_value_inside_its_limits_is_accepted_and_outside_refused_naming_it(
         ckpt, field, accepted, refused):
@@ -356,6 +358,33 @@ def test_deterministic_tensor_parallelism_stops_at_two_ranks(ckpt):
     assert EngineConfig(ckpt, deterministic=True, tensor_parallel_size=2).tensor_parallel_size == 2
     with pytest.raises(ValueError, match="deterministic=True supports tensor_parallel_size up to 2, got 4"):
         EngineConfig(ckpt, deterministic=True, tensor_parallel_size=4)
+
+
+def test_fa3_is_refused_where_it_cannot_run_naming_why(ckpt, monkeypatch):
+    """Without vLLM, on the CPU, beside deterministic mode; and `fa3_unavailable` on a (faked) CUDA device of
+    another architecture, dtype or head_dim. The tiny Qwen3's head_dim is 16."""
+    from chunkwise.kernels import fa3
+    monkeypatch.setattr(fa3, "library", lambda: (None, "No module named 'vllm'"))
+    with pytest.raises(ValueError, match="attention_backend='fa3' cannot run here: vLLM's FlashAttention-3 library "
+                                         "is not available: No module named 'vllm'"):
+        EngineConfig(ckpt, attention_backend="fa3")
+    monkeypatch.setattr(fa3, "library", lambda: (object(), None))
+    with pytest.raises(ValueError, match="attention_backend='fa3' cannot run here: it runs on CUDA devices only, "
+                                         "got cpu"):
+        EngineConfig(ckpt, attention_backend="fa3", device="cpu")
+    with pytest.raises(ValueError, match="attention_backend='fa3' does not combine with deterministic=True"):
+        EngineConfig(ckpt, attention_backend="fa3", deterministic=True)
+    cuda = torch.device("cuda", 0)
+    for capability, dtype, head_dim, why in [
+            ((8, 0), torch.bfloat16, 128, r"Hopper GPUs \(compute capability 9.x\) only; cuda:0 is 8.0"),
+            ((10, 0), torch.float16, 128, "cuda:0 is 10.0"),
+            ((9, 0), torch.float32, 128, "float16 or bfloat16, got torch.float32"),
+            ((9, 0), torch.bfloat16, 20, "head_dim must be a multiple of 8 up to 256, got 20"),
+            ((9, 0), torch.bfloat16, 264, "got 264"),
+            ((9, 0), torch.float16, 256, None)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        got = fa3.fa3_unavailable(cuda, dtype, head_dim)
+        assert (got is None) if why is None else re.search(why, got), (capability, dtype, head_dim, got)
 
 
 def test_the_default_cpu_pool_holds_every_running_sequence_at_full_length_below_the_cap(ckpt, monkeypatch):

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from chunkwise.model_config import ModelConfig
 from chunkwise.kernels import (CascadeGroups, act_and_mul, add_rms_norm, cascade_decode, matmul, paged_attention,
                                paged_decode, rms_norm, rope_cos_sin, rope_store, split_kv_decode)
+from chunkwise.kernels.fa3 import fa3_paged_attention
 from chunkwise.kernels.matmul import config_changes
 from chunkwise.kernels.paged_attention import paged_split_workspace
 from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE, SplitWorkspace, num_splits_for, split_workspace
@@ -98,9 +99,12 @@ class Model:
     """Weights (HF names, fused where it saves launches) and the step forward; no cache of its own."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], split_size: int = DEFAULT_SPLIT_SIZE,
-                 deterministic: bool = False, tp: TensorParallel | None = None):
+                 deterministic: bool = False, tp: TensorParallel | None = None, fa3_prefill: bool = False):
         self.cfg = cfg
         self.deterministic = deterministic
+        # Prefill rows at their sequences' ends take vLLM's FA3 (EngineConfig.attention_backend="fa3"), split
+        # where chunkwise's kernel would split them; a blend's rows (explicit positions) keep chunkwise's kernel.
+        self.fa3_prefill = fa3_prefill
         self.split_size = split_size   # split-KV split length in tokens
         self.tp = tp                   # None: the whole model on one device
         # With the custom all-reduce, a sublayer's output leaves as this rank's partial sum and is reduced in the
@@ -271,6 +275,11 @@ class Model:
         return split_workspace(tables.shape[0], heads, kv_heads, self.cfg.head_dim,
                                num_splits_for(tables.shape[1], k_cache.shape[1], self.split_size), tables.device)
 
+    def _fa3(self, inp: StepInputs) -> bool:
+        """Whether the step's prefill rows take vLLM's FA3: with attention_backend="fa3", unless they are a blend's
+        (explicit positions, which FA3 does not take)."""
+        return self.fa3_prefill and not inp.explicit_positions
+
     def _prefill_workspace(self, inp: StepInputs, k_cache: torch.Tensor, selecting: bool) -> SplitWorkspace | None:
         """The scratch of a step whose prefill rows split their context, made once per run of layers for each of
         them; None for one pass: larger steps, a blend's layers up to its last check layer (`selecting`: its
@@ -278,7 +287,7 @@ class Model:
         on the step that computes it). A blend's rows after its check layers split up to BLEND_SPLIT_ROWS."""
         p = inp.num_prefill_tokens
         cap = BLEND_SPLIT_ROWS if inp.explicit_positions else PREFILL_SPLIT_ROWS
-        if self.deterministic or selecting or not 0 < p <= cap:
+        if self.deterministic or selecting or not 0 < p <= cap or self._fa3(inp):
             return None
         return paged_split_workspace(p, self._heads()[0], self.embed.dtype, k_cache, inp.page_tables,
                                      PREFILL_SPLIT_SIZE, max_rows=PREFILL_SPLIT_TILE_ROWS)
@@ -352,8 +361,11 @@ class Model:
         if p < t:
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 self._decode_attention(q[p:], out[p:], inp, kv, window, workspace)
-        if p:
-            split = prefill_workspace is not None
+        split = prefill_workspace is not None
+        if p and self._fa3(inp):
+            fa3_paged_attention(q[:p], k_cache, v_cache, inp.page_tables, inp.seq_lens, inp.query_start_loc,
+                                cfg.attn_scale, sliding_window=window, out=out[:p], split=p <= PREFILL_SPLIT_ROWS)
+        elif p:
             paged_attention(q[:p], k_cache, v_cache, inp.page_tables, inp.seq_lens, inp.query_start_loc,
                             cfg.attn_scale, sliding_window=window, out=out[:p],
                             max_rows=PREFILL_SPLIT_TILE_ROWS if split else PREFILL_TILE_ROWS,

@@ -52,7 +52,8 @@ class ModelRunner:
         self.page_size = config.page_size
         self.device = tp.device if tp else config.device
         self.split_kv_threshold, self.split_size = config.split_kv_threshold, config.split_size
-        self.model = Model(cfg, weights, split_size=self.split_size, deterministic=config.deterministic, tp=tp)
+        self.model = Model(cfg, weights, split_size=self.split_size, deterministic=config.deterministic, tp=tp,
+                           fa3_prefill=config.attention_backend == "fa3")
         # Deterministic decodes take the single-pass kernel, so there are no splits to share.
         self.cascade = config.cascade_attention and not config.deterministic
         self.cascade_item_size = cascade_item_size(cfg.head_dim, self.num_heads // self.num_kv_heads)

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import uvicorn
 
-from chunkwise.engine_config import DTYPES
+from chunkwise.engine_config import ATTENTION_BACKENDS, DTYPES
 from chunkwise.serve.app import ServerState, build_app
 from chunkwise.serve.engine_core import EngineCore, EngineStartError, settled_heap
 from chunkwise.serve.engine_loop import EngineLoop
@@ -54,7 +54,7 @@ ENGINE_OPTIONS = ("dtype", "device", "page_size", "max_model_len", "num_pages", 
                   "max_prefill_tokens_with_decodes", "max_num_seqs", "tensor_parallel_size", "split_kv_threshold",
                   "split_size", "max_graph_tokens",
                   "gpu_memory_utilization", "enable_prefix_caching", "enforce_eager", "cascade_attention",
-                  "deterministic", "async_scheduling", "custom_all_reduce")
+                  "deterministic", "attention_backend", "async_scheduling", "custom_all_reduce")
 
 
 # Where serving differs from the library's defaults. A step that decodes and prefills makes every decoding user
@@ -78,6 +78,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="prefill tokens a step that also decodes may compute (default %(default)s when serving; none: "
                         "the whole --max-num-batched-tokens)")
     e.add_argument("--gpu-memory-utilization", type=float)
+    e.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS),
+                   help="prefill attention: triton (chunkwise's, the default) or fa3 (vLLM's FlashAttention-3, "
+                        "where installed, on Hopper); decodes keep chunkwise's")
     for name in ("enable_prefix_caching", "enforce_eager", "cascade_attention", "deterministic",
                  "async_scheduling", "custom_all_reduce"):
         e.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, dest=name)
