@@ -7,6 +7,8 @@ visible query-key pair) and, per baseline, its time and the ratio baseline-time 
 benchmark.extra_info. Baselines: decodes against SDPA as it dispatches itself; prefill against each backend
 forced (`sdpa_kernel`): flash, cuDNN and memory-efficient. Decodes run two paths: split-KV (the default mode's)
 and the single pass (`paged_decode`, deterministic mode's). A backend that refuses a case is reported as such.
+Where vLLM is installed (its `vllm.vllm_flash_attn` with the FA3 library) on a Hopper GPU, its FlashAttention-3
+reads the same paged cache through the same page tables: the one baseline that pays for pages as ours does.
 Plain causal cases (no cached prefix) take SDPA's `is_causal`, the fast path of every backend; after a cached
 prefix the mask is aligned bottom-right (`causal_lower_right`).
 
@@ -22,6 +24,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from chunkwise.kernels import paged_attention, paged_decode, split_kv_decode
 from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE, num_splits_for, split_workspace
+from chunkwise.kernels.fa3 import fa3_unavailable, library
 from chunkwise.kernels.testing import query_start_loc
 
 pytestmark = pytest.mark.gpu
@@ -94,8 +97,21 @@ PREFILL_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUD
                     "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
+def fa3_paged(case, t):
+    """vLLM's FlashAttention-3 over our paged cache as vLLM calls it (exact length bounds, its own split choice),
+    or None where it cannot run. Its causal mask is aligned bottom-right, as ours: the queries are each
+    sequence's last positions."""
+    if fa3_unavailable(torch.device("cuda"), DTYPE, HEAD_DIM) is not None:
+        return None
+    max_q = max(c for _, c in case.seqs)
+    max_k = max(p + c for p, c in case.seqs)
+    return lambda: library()[0](t["q"], t["k_cache"], t["v_cache"], max_q, t["qsl"], max_k, seqused_k=t["seq_lens"],
+                                softmax_scale=SCALE, causal=True, block_table=t["page_tables"], fa_version=3)
+
+
 def baselines(case, t):
-    """{name: fn} over contiguous K/V of the same shape (all sequences here have equal lengths)."""
+    """{name: (fn, to_rows)}: SDPA over contiguous K/V of the same shape (all sequences here have equal
+    lengths), and FA3 over the paged cache; to_rows puts a baseline's output in ours' [tokens, heads, dim]."""
     b = len(case.seqs)
     prefix, n_new = case.seqs[0]
     length = prefix + n_new
@@ -104,10 +120,16 @@ def baselines(case, t):
     def contiguous(cache):
         return cache[pages].reshape(b, -1, KV_HEADS, HEAD_DIM)[:, :length].transpose(1, 2).contiguous()
 
+    def sdpa_rows(out):
+        return out.transpose(1, 2).reshape(-1, HEADS, HEAD_DIM)
+
     k, v = contiguous(t["k_cache"]), contiguous(t["v_cache"])
     q = t["q"].view(b, n_new, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+    fa3 = fa3_paged(case, t)
+    extra = {} if fa3 is None else {"fa3": (fa3, lambda out: out)}
     if case.decode:
-        return {"sdpa": lambda: scaled_dot_product_attention(q, k, v, scale=SCALE, enable_gqa=True)}
+        return {"sdpa": (lambda: scaled_dot_product_attention(q, k, v, scale=SCALE, enable_gqa=True), sdpa_rows),
+                **extra}
     k, v = (x.repeat_interleave(HEADS // KV_HEADS, dim=1) for x in (k, v))
     # Queries are the last n_new positions: without a prefix that is plain causal attention.
     mask = dict(is_causal=True) if prefix == 0 else dict(attn_mask=causal_lower_right(n_new, length))
@@ -117,7 +139,7 @@ def baselines(case, t):
             with sdpa_kernel([backend]):
                 return scaled_dot_product_attention(q, k, v, scale=SCALE, **mask)
         return fn
-    return {name: forced(backend) for name, backend in PREFILL_BACKENDS.items()}
+    return {**{name: (forced(backend), sdpa_rows) for name, backend in PREFILL_BACKENDS.items()}, **extra}
 
 
 def work(case):
@@ -136,10 +158,10 @@ def median_ms(fn):
 _BASELINE_MS: dict[tuple[str, str], float | None] = {}   # (case, baseline) -> ms; None: the backend refused
 
 
-def _time_baseline(name, fn, ours_out):
+def _time_baseline(name, fn, to_rows, ours_out):
     """The baseline's median ms, after checking it computes what ours does; None if the backend refuses."""
     try:
-        expected = fn().transpose(1, 2).reshape(ours_out.shape)
+        expected = to_rows(fn())
     except RuntimeError as e:   # e.g. no cuDNN, or a backend that does not take the mask
         print(f"\n{name}: refused ({str(e).splitlines()[0][:120]})")
         return None
@@ -154,9 +176,9 @@ def test_kernel_vs_sdpa(benchmark, case, path):
     tensors = build(case, gen)
     fn = ours(tensors, path)
     out = fn().clone()
-    for name, base in baselines(case, tensors).items():
+    for name, (base, to_rows) in baselines(case, tensors).items():
         if (case.name, name) not in _BASELINE_MS:
-            _BASELINE_MS[case.name, name] = _time_baseline(name, base, out)
+            _BASELINE_MS[case.name, name] = _time_baseline(name, base, to_rows, out)
     ms = median_ms(fn)
     nbytes, flops = work(case)
     row = dict(case=case.name, path=path, ms=ms, tbps=nbytes / ms / 1e9, tflops=flops / ms / 1e9)
@@ -179,9 +201,9 @@ def _baseline_cell(row, name, unit):
 def _print_table():
     yield
     print("\nEach baseline: its TB/s (decode) or TFLOP/s (prefill), and in brackets its time / ours (> 1: ours faster)")
-    print("| case | path | ms | TB/s | TFLOP/s | SDPA | flash | cuDNN | efficient |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| case | path | ms | TB/s | TFLOP/s | SDPA | flash | cuDNN | efficient | vLLM FA3 (paged) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in ROWS:
         unit = "tbps" if r["case"].startswith("decode") else "tflops"
-        cells = " | ".join(_baseline_cell(r, name, unit) for name in ("sdpa", *PREFILL_BACKENDS))
+        cells = " | ".join(_baseline_cell(r, name, unit) for name in ("sdpa", *PREFILL_BACKENDS, "fa3"))
         print(f"| {r['case']} | {r['path']} | {r['ms']:.3f} | {r['tbps']:.2f} | {r['tflops']:.1f} | {cells} |")
