@@ -1,5 +1,6 @@
 """Tensor parallelism on two GPUs (NCCL, CUDA graphs on): the strict float32 tier against one GPU and the reference,
-the real checkpoints against one GPU, the bf16 tier against the reference, deterministic mode bitwise on two ranks,
+the real checkpoints against one GPU, the bf16 tier against the reference (also with vLLM's FA3 for prefill where
+it runs), deterministic mode bitwise on two ranks,
 the custom all-reduce bitwise against NCCL, and a worker killed inside a graph-replayed decode step, which must
 fail the step instead of hanging NCCL or the custom all-reduce.
 Skipped without two CUDA devices.
@@ -111,6 +112,26 @@ def test_bf16_tokens_agree_with_the_reference_until_a_near_tie(name, tmp_path_fa
     print(f"{name}, bf16, two GPUs: tokens agreed before a divergence, per request: {agreed} of {params.max_tokens}")
     assert sum(agreed) >= MIN_AGREED_SHARE * params.max_tokens * len(prompts), \
         f"{name}: only {agreed} of {params.max_tokens} tokens per request agreed before a divergence"
+
+
+def test_fa3_prefill_on_two_gpus_agrees_with_the_reference_until_a_near_tie():
+    """attention_backend="fa3" on two ranks (each its own query and KV heads): prompts of 600-1500 tokens in steps
+    of up to 2048 rows, chunked at odd places, under the low-precision tier's rule. Skipped where FA3 cannot run."""
+    from chunkwise.kernels.fa3 import fa3_unavailable
+    why = fa3_unavailable(torch.device("cuda", 0), torch.bfloat16, QWEN3_0_6B_SHAPE["head_dim"])
+    if why is not None:
+        pytest.skip(f"attention_backend='fa3': {why}")
+    ckpt = tiny_checkpoint("qwen3", seed=0, **{**QWEN3_0_6B_SHAPE, "num_hidden_layers": 4})
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, QWEN3_0_6B_SHAPE["vocab_size"], (n,), generator=gen).tolist() for n in (600, 1500, 900)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=TOP_K)
+    with Engine(ckpt, dtype="bfloat16", tensor_parallel_size=2, max_model_len=2048, num_pages=1024,
+                max_num_batched_tokens=2048, attention_backend="fa3") as tp:
+        got = tp.generate(prompts, params, chunk_sizes=[None, [700, 1, 799], [513, 387]])
+    ref = chunkwise.reference.Engine(ckpt, dtype="bfloat16", max_model_len=2048).generate(prompts, params)
+    agreed = [check_logprobs_close(o, r, f"request {i}") for i, (o, r) in enumerate(zip(got, ref))]
+    print(f"fa3, bf16, two GPUs: tokens agreed before a divergence, per request: {agreed} of {params.max_tokens}")
+    assert sum(agreed) >= MIN_AGREED_SHARE * params.max_tokens * len(prompts), agreed
 
 
 def test_deterministic_bf16_holds_on_two_gpus():
