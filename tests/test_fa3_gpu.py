@@ -12,19 +12,12 @@ from chunkwise.engine import Engine, SamplingParams
 from chunkwise.engine import model as engine_model
 from chunkwise.kernels import paged_attention_ref
 from chunkwise.kernels.fa3 import fa3_paged_attention, fa3_unavailable
-from chunkwise.kernels.testing import paginate, query_start_loc, random_kv
+from chunkwise.kernels.testing import paginate, query_start_loc, random_kv, rel_err
 from logprobs_close import MIN_AGREED_SHARE, TOP_K, check_logprobs_close
+from test_kernels_gpu import REL_BOUND
 
 WHY = fa3_unavailable(torch.device("cuda"), torch.bfloat16, 128) if torch.cuda.is_available() else "no CUDA"
 pytestmark = [pytest.mark.gpu, pytest.mark.correctness, pytest.mark.skipif(WHY is not None, reason=str(WHY))]
-
-REL_BOUND = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
-
-
-def _rel_err(out, ref):
-    assert not out.isnan().any(), "unwritten or NaN output"
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
 
 def _attend(fn, cache, q, q_lens, seq_lens, scale, window=None, **split):
     seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=q.device)
@@ -47,7 +40,7 @@ def test_fa3_matches_the_reference_across_head_dims_windows_and_page_sizes(dtype
     q_lens, seq_lens, scale = [c for _, c in seqs], [p + c for p, c in seqs], head_dim ** -0.5
     out = _attend(fa3_paged_attention, cache, q, q_lens, seq_lens, scale, window, split=split)
     ref = _attend(paged_attention_ref, cache, q.float(), q_lens, seq_lens, scale, window)
-    assert _rel_err(out, ref) < REL_BOUND[dtype]
+    assert rel_err(out, ref) < REL_BOUND[dtype]
 
 
 @pytest.mark.parametrize("page_size", [16, 7])

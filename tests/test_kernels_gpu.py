@@ -14,7 +14,7 @@ import torch
 from chunkwise.kernels import (cascade_decode, cascade_groups, cascade_item_size, paged_attention, paged_attention_ref,
                                paged_decode, relocate_kv, relocate_kv_ref, split_kv_decode, split_kv_decode_ref)
 from chunkwise.kernels.paged_attention import paged_split_workspace
-from chunkwise.kernels.testing import paginate, query_start_loc, random_kv
+from chunkwise.kernels.testing import paginate, query_start_loc, random_kv, rel_err
 from chunkwise.model_config import RopeConfig
 from chunkwise.reference.model import rotate
 
@@ -22,11 +22,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.correctness]
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 REL_BOUND = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-
-
-def _rel_err(out, ref):
-    assert not out.isnan().any(), "unwritten or NaN output"
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def _attend(fn, cache, q, q_lens, seq_lens, scale, window=None, positions=None, **split):
@@ -54,7 +49,7 @@ def test_mixed_batch_matches_reference_32q_8kv_d128(dtype, split):
     cache, q, q_lens, seq_lens = _mixed_batch(32, 8, 128, dtype, MIXED, 16, seed=0)
     out = _attend(paged_attention, cache, q, q_lens, seq_lens, 128 ** -0.5, split_size=split)
     ref = _attend(paged_attention_ref, cache, q.float(), q_lens, seq_lens, 128 ** -0.5)
-    assert _rel_err(out, ref) < REL_BOUND[dtype]
+    assert rel_err(out, ref) < REL_BOUND[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -64,7 +59,7 @@ def test_mixed_batch_matches_reference_4q_1kv_d256(dtype, window):
     cache, q, q_lens, seq_lens = _mixed_batch(4, 1, 256, dtype, seqs, 16, seed=1)
     out = _attend(paged_attention, cache, q, q_lens, seq_lens, 256 ** -0.5, window)
     ref = _attend(paged_attention_ref, cache, q.float(), q_lens, seq_lens, 256 ** -0.5, window)
-    assert _rel_err(out, ref) < REL_BOUND[dtype]
+    assert rel_err(out, ref) < REL_BOUND[dtype]
 
 
 @pytest.mark.parametrize("split", [None, 512])
@@ -120,7 +115,7 @@ def test_split_context_prefill_reuses_its_workspace_and_is_race_free():
         assert torch.equal(again, first)
     assert not ws.arrivals.any()
     ref = _attend(paged_attention_ref, cache, q.float(), q_lens, seq_lens, 128 ** -0.5)
-    assert _rel_err(first, ref) < REL_BOUND[torch.bfloat16]
+    assert rel_err(first, ref) < REL_BOUND[torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -133,8 +128,8 @@ def test_split_kv_decode_matches_reference_and_single_pass_at_long_context(dtype
     out = split_kv_decode(q, *args, out=torch.full_like(q, float("nan")))
     ref = split_kv_decode_ref(q.float(), *args)
     single = paged_attention(q, *args[:4], query_start_loc([1] * len(lens), "cuda"), args[4])
-    assert _rel_err(out, ref) < REL_BOUND[dtype]
-    assert _rel_err(out, single.float()) < REL_BOUND[dtype]
+    assert rel_err(out, ref) < REL_BOUND[dtype]
+    assert rel_err(out, single.float()) < REL_BOUND[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -193,7 +188,7 @@ def test_split_kv_merge_is_race_free_and_cascade_is_bitwise_split_kv_at_producti
     assert all(torch.equal(r, runs[0]) for r in runs[1:])
     assert all(torch.equal(c, runs[0]) for c in cascades)
     ref = split_kv_decode_ref(q.float(), *args[1:], 128 ** -0.5, sliding_window=window)
-    assert _rel_err(runs[0], ref) < REL_BOUND[dtype]
+    assert rel_err(runs[0], ref) < REL_BOUND[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -217,7 +212,7 @@ def test_explicit_positions_match_reference_and_the_whole_pass_bitwise_32q_8kv_d
     ref = _attend(paged_attention_ref, cache, q.float(), q_lens, lengths, 128 ** -0.5, window, positions)
     whole = _attend(paged_attention, cache, torch.cat(qs), lengths, lengths, 128 ** -0.5, window)
 
-    assert _rel_err(out, ref) < REL_BOUND[dtype]
+    assert rel_err(out, ref) < REL_BOUND[dtype]
     starts = [0, lengths[0], lengths[0] + lengths[1]]
     assert torch.equal(out, torch.cat([whole[start + rows.cuda()] for start, rows in zip(starts, subsets)]))
 

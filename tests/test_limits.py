@@ -382,7 +382,7 @@ def test_fa3_is_refused_where_it_cannot_run_naming_why(ckpt, monkeypatch):
             ((9, 0), torch.bfloat16, 20, "head_dim must be a multiple of 8 up to 256, got 20"),
             ((9, 0), torch.bfloat16, 264, "got 264"),
             ((9, 0), torch.float16, 256, None)]:
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        monkeypatch.setattr(fa3, "capability", lambda device, c=capability: c)
         got = fa3.fa3_unavailable(cuda, dtype, head_dim)
         assert (got is None) if why is None else re.search(why, got), (capability, dtype, head_dim, got)
 

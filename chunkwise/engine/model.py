@@ -361,11 +361,11 @@ class Model:
         if p < t:
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 self._decode_attention(q[p:], out[p:], inp, kv, window, workspace)
-        split = prefill_workspace is not None
         if p and self._fa3(inp):
             fa3_paged_attention(q[:p], k_cache, v_cache, inp.page_tables, inp.seq_lens, inp.query_start_loc,
                                 cfg.attn_scale, sliding_window=window, out=out[:p], split=p <= PREFILL_SPLIT_ROWS)
         elif p:
+            split = prefill_workspace is not None
             paged_attention(q[:p], k_cache, v_cache, inp.page_tables, inp.seq_lens, inp.query_start_loc,
                             cfg.attn_scale, sliding_window=window, out=out[:p],
                             max_rows=PREFILL_SPLIT_TILE_ROWS if split else PREFILL_TILE_ROWS,

@@ -21,6 +21,8 @@ import functools
 
 import torch
 
+from chunkwise.kernels.tiling import capability
+
 MAX_HEAD_DIM = 256   # FA3's forward: head_dim a multiple of 8 up to this
 
 
@@ -43,7 +45,7 @@ def fa3_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
         return f"vLLM's FlashAttention-3 library is not available: {why}"
     if device.type != "cuda":
         return f"it runs on CUDA devices only, got {device}"
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = capability(device)
     if major != 9:
         return f"it runs on Hopper GPUs (compute capability 9.x) only; {device} is {major}.{minor}"
     if dtype not in (torch.float16, torch.bfloat16):
@@ -61,6 +63,6 @@ def fa3_paged_attention(q, k_cache, v_cache, page_tables, seq_lens, query_start_
     out = torch.empty_like(q) if out is None else out
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
     library()[0](q, k_cache, v_cache, q.shape[0], query_start_loc, page_tables.shape[1] * k_cache.shape[1],
-                           seqused_k=seq_lens, softmax_scale=scale, causal=True, window_size=window,
-                           block_table=page_tables, out=out, num_splits=0 if split else 1, fa_version=3)
+                 seqused_k=seq_lens, softmax_scale=scale, causal=True, window_size=window, block_table=page_tables,
+                 out=out, num_splits=0 if split else 1, fa_version=3)
     return out

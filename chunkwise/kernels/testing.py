@@ -77,3 +77,9 @@ def paginate(kv_seqs, page_size, generator, spare_pages=3, extra_table_cols=1, p
 def query_start_loc(q_lens, device="cpu"):
     """int32 [len(q_lens) + 1]: cumulative query counts starting at 0."""
     return torch.tensor([0] + q_lens, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+
+
+def rel_err(out, ref):
+    """||out - ref|| / ||ref|| in float64, after checking out holds no NaN (an unwritten, NaN-poisoned row)."""
+    assert not out.isnan().any(), "unwritten or NaN output"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
