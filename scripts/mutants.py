@@ -463,7 +463,7 @@ MUTANTS = [
            '            if self.scheduler.abort(seq.seq_id, reason="error") is None:\n',
            "            if self.scheduler.seqs.pop(seq.seq_id, None) is None:\n",
            "failure isolation forgets a failed step's requests without freeing their pages"),
-    Mutant("tp_preparation_failure_skips_the_workers_page_changes", "chunkwise/engine/parallel/executor.py",
+    Mutant("tp_preparation_failure_skips_the_workers_page_changes", "chunkwise/engine/executor/executor.py",
            "            if not sent:\n", "            if False:\n",
            "under tensor parallelism, a step that fails in preparation never sends the workers the page changes "
            "rank 0's tables already took: from then on the ranks' page-table rows name different pages"),

@@ -41,7 +41,7 @@ from chunkwise.kernels.cascade import CascadeGroups
 from chunkwise.engine.host_step import ALIGN, HostStep, fill_pending
 from chunkwise.engine.kv_cache import KVCache
 from chunkwise.engine.model import LayerState, Model, StepInputs
-from chunkwise.engine.parallel.tensor_parallel import TensorParallel
+from chunkwise.engine.distributed.tensor_parallel import TensorParallel
 
 # The int64 segments: what the graph reads (a step's token ids, positions, cache slots, logits rows and page-table
 # rows), then what is read before the replay, not by the graph (the pending tokens' rows in the batch and their

@@ -8,8 +8,8 @@ and the engine goes on as if they had never run. One lock serialises the public 
 share an engine.
 
 `tensor_parallel_size=N` shards the model over N ranks: this process is rank 0 (it schedules, samples and
-postprocesses as with one device) and starts N-1 worker processes (chunkwise/engine/parallel/workers.py). The engine
-talks only to its executor (chunkwise/engine/parallel/executor.py), the same calls on one device or N. A failure
+postprocesses as with one device) and starts N-1 worker processes (chunkwise/engine/executor/workers.py). The engine
+talks only to its executor (chunkwise/engine/executor/executor.py), the same calls on one device or N. A failure
 inside a step's forward cannot be contained there (the ranks' caches may disagree): the engine closes and raises
 TensorParallelError. `close()` (or `with Engine(...) as eng:`) stops the workers; an engine that is garbage
 collected, or still open at interpreter exit, stops them too.
@@ -39,8 +39,8 @@ from chunkwise.tokenizer import TextStream, decode, load_tokenizer
 from chunkwise.engine.blend import HostBlend, blend_report
 from chunkwise.engine.host_step import Launched
 from chunkwise.engine.page_pool import PagePool
-from chunkwise.engine.parallel.executor import Executor, MultiprocExecutor
-from chunkwise.engine.parallel.workers import TensorParallelError
+from chunkwise.engine.executor.executor import Executor, MultiprocExecutor
+from chunkwise.engine.executor.workers import TensorParallelError
 from chunkwise.engine.scheduler import ScheduledBatch, Scheduler
 from chunkwise.engine.sequence import Sequence
 

@@ -16,7 +16,7 @@ its probabilities by dot (`sum_by_dot`), so its bits do not depend on the tile e
 activation already keep a row's bits (their rows per program depend on the width only), and RoPE's cos/sin are
 elementwise.
 
-Tensor parallelism (`tp`, see chunkwise/engine/parallel/tensor_parallel.py): the weights are one rank's shard; the
+Tensor parallelism (`tp`, see chunkwise/engine/distributed/tensor_parallel.py): the weights are one rank's shard; the
 embedding, o_proj and down_proj outputs are summed over the ranks (one all_reduce each; with the custom all-reduce,
 inside the next norm's kernel), so every rank carries the same residual stream, and each ends with its slice of the
 logits (`TensorParallel.argmax_logits` and `gather_logits` take it from there). Without `tp` the forward calls no
@@ -43,7 +43,7 @@ from chunkwise.kernels.paged_attention import paged_split_workspace
 from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE, SplitWorkspace, num_splits_for, split_workspace
 from chunkwise.engine.blend import BlendInputs, select_rows
 from chunkwise.engine.kv_cache import LayerCaches
-from chunkwise.engine.parallel.tensor_parallel import TensorParallel
+from chunkwise.engine.distributed.tensor_parallel import TensorParallel
 from chunkwise.kernels.relocate import relocate_kv
 
 

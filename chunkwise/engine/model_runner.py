@@ -8,7 +8,7 @@ on rank 0 only. On GPU, construction runs a forward per kernel specialisation cl
 compiles nothing.
 
 Tensor parallel (`tp`): this runner is one rank's, over its shard; it knows of the other ranks only through the
-`tp` handle whose collectives its forward calls. The executor (chunkwise/engine/parallel/executor.py) sends each
+`tp` handle whose collectives its forward calls. The executor (chunkwise/engine/executor/executor.py) sends each
 step's HostStep (with the batch's page changes, which every rank's page tables apply alike) to the other ranks around
 rank 0's forward (`run`'s `dispatch`); a worker's runner replays it (`run_host`). Every rank then runs the same
 forward, eager or the same CUDA graph, so the collectives inside match.
@@ -35,7 +35,7 @@ from chunkwise.engine.host_step import ALIGN, HostStep, Launched, fill_pending, 
 from chunkwise.engine.kv_cache import KVCache
 from chunkwise.engine.model import Model, StepInputs
 from chunkwise.engine.page_tables import PageTables
-from chunkwise.engine.parallel.tensor_parallel import TensorParallel
+from chunkwise.engine.distributed.tensor_parallel import TensorParallel
 
 
 Forward = tuple[torch.Tensor | None, torch.Tensor]   # (logits or None, greedy tokens): see _logits_and_tokens

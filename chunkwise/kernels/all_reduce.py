@@ -148,7 +148,7 @@ def _all_reduce_kernel(
 class PeerBuffers:
     """One rank's view of the buffers of one all-reduce group (see the module docstring for each): every rank's
     receive buffer and flags as addresses in this process (peers' mapped in by
-    chunkwise/engine/parallel/peer_memory.py, or plain tensors of one device when every rank is simulated on it),
+    chunkwise/engine/distributed/peer_memory.py, or plain tensors of one device when every rank is simulated on it),
     `cap` elements per rank region, and this rank's ticket counter and control words (`abort()`, `gave_up()`). Every
     rank's flags must be zero before any rank's first call."""
 

@@ -25,7 +25,7 @@ from chunkwise.engine_config import EngineConfig
 from chunkwise.weights import load_weights
 from chunkwise.engine.host_step import HostStep, Launched
 from chunkwise.engine.model_runner import Forward, ModelRunner
-from chunkwise.engine.parallel.workers import ApplyPageChanges, GatherKV, StepMessage, Workers
+from chunkwise.engine.executor.workers import ApplyPageChanges, GatherKV, StepMessage, Workers
 from chunkwise.engine.sampler import Sampler
 
 Sampled = tuple[dict[int, int], dict[int, dict[int, float]]]   # tokens and logprobs per seq_id
