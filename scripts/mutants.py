@@ -77,6 +77,7 @@ SELECTION = [
     "tests/test_serve_process.py",
     "tests/test_bench_serving.py",
     "tests/test_tensor_parallel_lifecycle.py",
+    "tests/test_layers.py",
 ]
 SMOKE_MARKER = "smoke"   # conftest.py runs these first in any selection
 DEFAULT_TIMEOUT = 900   # seconds per mutant: more than the whole selection takes unmutated on 2 cores
@@ -916,6 +917,12 @@ MUTANTS = [
            'fa3_prefill=config.attention_backend == "fa3")',
            "fa3_prefill=False)",
            "attention_backend='fa3' is validated but never reaches the model: every step takes chunkwise's kernel"),
+    # ---- h48layers (issue 48 parts 4 and 6): layers that point one way, an EngineConfig without side effects ----
+    Mutant("page_tables_import_the_page_pool", "chunkwise/engine/page_tables.py",
+           "from chunkwise.engine.page_changes import PageChanges\n",
+           "from chunkwise.engine.page_pool import PageChanges\n",
+           "the runner's page tables take PageChanges from the page pool, which imports it too: it works, but the "
+           "runner side now imports the scheduler side (an import up the layers)"),
 ]
 
 

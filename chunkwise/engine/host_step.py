@@ -14,7 +14,7 @@ import torch
 
 from chunkwise.kernels.cascade import CascadeGroups
 from chunkwise.engine.blend import HostBlend
-from chunkwise.engine.page_pool import PageChanges
+from chunkwise.engine.page_changes import PageChanges
 
 ALIGN = 16   # elements: each packed or static input starts 16-element aligned
 

@@ -19,7 +19,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from chunkwise.engine.blend import BlendJob, plan_blend
-from chunkwise.engine.page_pool import PageChanges, PagePool
+from chunkwise.engine.page_changes import PageChanges
+from chunkwise.engine.page_pool import PagePool
 from chunkwise.engine.sequence import Sequence, SequenceStatus
 
 
