@@ -59,6 +59,7 @@ SMOKE = (
     "tests/test_reference_engine.py",
     "tests/test_reference_vs_hf.py",
     "tests/test_layers.py",   # the import graph against docs/ARCHITECTURE.md's layers: no engine runs
+    "tests/test_engine_config.py",   # a config is a description; opening it builds the checkpoint
     "tests/test_cli.py::test_a_reference_output_that_is_a_strict_prefix_is_reported_different",
     "tests/test_serve.py::test_top_k_minus_one_and_zero_keep_every_token",
     # every request field the server parses, every EngineConfig limit, every CLI option: no model runs, milliseconds

@@ -78,6 +78,7 @@ SELECTION = [
     "tests/test_bench_serving.py",
     "tests/test_tensor_parallel_lifecycle.py",
     "tests/test_layers.py",
+    "tests/test_engine_config.py",
 ]
 SMOKE_MARKER = "smoke"   # conftest.py runs these first in any selection
 DEFAULT_TIMEOUT = 900   # seconds per mutant: more than the whole selection takes unmutated on 2 cores
@@ -525,7 +526,7 @@ MUTANTS = [
            "        if len(tokens) + p.max_tokens > max_model_len:\n",
            "        if len(tokens) + p.max_tokens >= max_model_len:\n",
            "a request whose prompt + max_tokens equals max_model_len is refused"),
-    Mutant("max_position_embeddings_refused_as_max_model_len", "chunkwise/engine_config.py",
+    Mutant("max_position_embeddings_refused_as_max_model_len", "chunkwise/open_config.py",
            "not 2 <= max_len <= limit",
            "not 2 <= max_len < limit",
            "max_model_len equal to the checkpoint's max_position_embeddings (the default) is refused"),
@@ -923,6 +924,17 @@ MUTANTS = [
            "from chunkwise.engine.page_pool import PageChanges\n",
            "the runner's page tables take PageChanges from the page pool, which imports it too: it works, but the "
            "runner side now imports the scheduler side (an import up the layers)"),
+    Mutant("engine_config_resolves_its_checkpoint", "chunkwise/engine_config.py",
+           "        _check_tensor_parallel(self)\n",
+           "        from chunkwise.checkpoints import resolve_model\n        resolve_model(self.model)\n"
+           "        _check_tensor_parallel(self)\n",
+           "EngineConfig checks its model while being built: building a config resolves the checkpoint (and builds "
+           "or converts a built-in one), the side effect the engines' constructors alone should have"),
+    Mutant("opened_config_skips_the_tensor_parallel_shape", "chunkwise/open_config.py",
+           "    _check_tensor_parallel_shape(config.tensor_parallel_size, model_config)\n",
+           "",
+           "when the model-dependent checks moved out of EngineConfig, the tensor-parallel shape check was left "
+           "behind: tensor_parallel_size=3 over 4 heads is accepted"),
 ]
 
 

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from chunkwise.chunks import Chunk, ChunkRegistry, reuse_report
 from chunkwise.engine_config import EngineConfig
+from chunkwise.open_config import open_config
 from chunkwise.requests import single_prompt, validate_requests
 from chunkwise.sampling import RequestOutput, SamplingParams
 from chunkwise.tokenizer import TextStream, decode, load_tokenizer
@@ -91,7 +92,7 @@ class Engine:
     running-sequence cap, prefix caching, CUDA graphs, split-KV threshold and split size)."""
 
     def __init__(self, model, **kwargs):
-        self.engine_config = config = EngineConfig(model, **kwargs)
+        self.engine_config = config = open_config(EngineConfig(model, **kwargs))
         self.model_config, self.dtype, self.device = config.model_config, config.dtype, config.device
         self.max_model_len, self.page_size = config.max_model_len, config.page_size
         self.tokenizer = load_tokenizer(config.path)
