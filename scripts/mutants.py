@@ -41,7 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # The CI selection: the files whose tests a catalogued bug can fail (conftest.py runs the smoke tier first
 # whatever this order: the unit tests against outside oracles, every limit, the pool, the kernels, parity's
-# pinned edges), then the rest in this order: the engine's contract, the server, tensor parallelism on gloo.
+# pinned edges), then the rest in this order: the engine's contract, the server, tensor parallelism on gloo, and the
+# README's Python blocks checked for names they never define (CI runs the blocks themselves: tests/test_readme.py).
 SELECTION = [
     "tests/test_config.py",
     "tests/test_sampling.py",
@@ -77,6 +78,7 @@ SELECTION = [
     "tests/test_serve_process.py",
     "tests/test_bench_serving.py",
     "tests/test_tensor_parallel_lifecycle.py",
+    "tests/test_readme.py::test_python_block_uses_only_names_it_or_its_section_defines",   # cheap: no block runs
 ]
 SMOKE_MARKER = "smoke"   # conftest.py runs these first in any selection
 DEFAULT_TIMEOUT = 900   # seconds per mutant: more than the whole selection takes unmutated on 2 cores
@@ -916,6 +918,12 @@ MUTANTS = [
            'fa3_prefill=config.attention_backend == "fa3")',
            "fa3_prefill=False)",
            "attention_backend='fa3' is validated but never reaches the model: every step takes chunkwise's kernel"),
+    # ---- h48docs: the README's code runs (issue 47 part 2) -------------------------------------------------------
+    Mutant("readme_composing_block_renames_a_chunk", "README.md",
+           "doc_b = eng.register_chunk(",
+           "doc_2 = eng.register_chunk(",
+           "the README's composing-chunks example renames a variable it still uses further down, so a reader "
+           "pasting it gets a NameError"),
 ]
 
 
