@@ -109,6 +109,26 @@ def test_the_fresh_machine_commands_are_what_ci_runs():
     assert "CI=true" in fresh[1].code and "export CI=true" in ci
 
 
+def heading_anchors(text: str) -> set[str]:
+    """GitHub's anchors for a Markdown file's headings (lower case, punctuation dropped, spaces to hyphens)."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            for m in re.finditer(r"^#+ (.*)$", text, flags=re.M)}
+
+
+def test_every_relative_link_in_the_readme_and_docs_resolves():
+    """The README points into docs/ for everything it left out: each link's file and heading must exist."""
+    for doc in [README, *sorted((REPO / "docs").glob("*.md"))]:
+        body = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+        for link in re.findall(r"\]\(([^)\s]+)\)", body):
+            if re.match(r"[a-z]+:", link):
+                continue
+            path, _, frag = link.partition("#")
+            target = (doc.parent / path) if path else doc
+            assert target.exists(), f"{doc.name}: {link} names no file"
+            assert not frag or frag in heading_anchors(target.read_text()), f"{doc.name}: {link} names no heading"
+
+
 def test_the_readme_stays_reference_sized():
     assert len(README.read_text().splitlines()) <= 250
 
