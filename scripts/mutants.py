@@ -1027,26 +1027,18 @@ class Source:
     def __init__(self, path: Path):
         self.path = path
         self.text = path.read_text()
-        lines = self.text.splitlines(keepends=True)
-        starts = [0]
-        for line in lines:
-            starts.append(starts[-1] + len(line))
+        starts = [0] + [n.end() for n in re.finditer("\n", self.text)] + [len(self.text)]   # of each line, as ast counts
         self.spans: dict[str, list[tuple[int, int]]] = {MODULE: [(0, len(self.text))]}
         for qual, node in self._defs(ast.parse(self.text), ""):
             first = min([node.lineno] + [d.lineno for d in node.decorator_list])
             self.spans.setdefault(qual, []).append((starts[first - 1], starts[node.end_lineno]))
-        comments = [(starts[t.start[0] - 1] + t.start[1], starts[t.end[0] - 1] + t.end[1])
-                    for t in tokenize.generate_tokens(io.StringIO(self.text).readline) if t.type == tokenize.COMMENT]
-        keep, norm, at, c = [], [], 0, 0
-        for i, ch in enumerate(self.text):
-            while c < len(comments) and comments[c][1] <= i:
-                c += 1
-            if (c < len(comments) and comments[c][0] <= i) or ch.isspace() or (
-                    ch == "\\" and self.text.startswith("\n", i + 1)):
-                continue
-            norm.append(ch)
-            keep.append(i)
-        self.norm, self.offsets = "".join(norm), keep
+        blanked = list(self.text)
+        for t in tokenize.generate_tokens(io.StringIO(self.text).readline):
+            if t.type == tokenize.COMMENT:
+                start = starts[t.start[0] - 1] + t.start[1]
+                blanked[start:start + len(t.string)] = " " * len(t.string)
+        kept = [c.start() for c in re.finditer(r"[^\s\\]|\\(?!\n)", "".join(blanked))]
+        self.norm, self.offsets = "".join(self.text[i] for i in kept), kept
 
     @staticmethod
     def _defs(node: ast.AST, prefix: str):
@@ -1054,19 +1046,34 @@ class Source:
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 yield prefix + child.name, child
                 yield from Source._defs(child, f"{prefix}{child.name}.")
-            else:
+            elif isinstance(child, (ast.stmt, ast.excepthandler, ast.match_case)):   # no def inside an expression
                 yield from Source._defs(child, prefix)
 
-    def find(self, pattern: str, qual: str = MODULE) -> list[tuple[int, int]]:
-        """Every (start, end) in the text where the normalised pattern occurs inside `qual`'s span(s)."""
+    def find(self, pattern: str, qual: str = MODULE) -> list[tuple[int, int, int]]:
+        """Every (start, end, at) where the normalised pattern occurs inside `qual`'s span(s): [start, end) in the
+        text, from its first character of code to its last, and `at` in the normalised text."""
         needle, hits = _normalise(pattern), []
         for lo, hi in self.spans.get(qual, []):
             a, b = bisect.bisect_left(self.offsets, lo), bisect.bisect_left(self.offsets, hi)
             i = self.norm.find(needle, a, b)
             while needle and i >= 0:
-                hits.append((self.offsets[i], self.offsets[i + len(needle) - 1] + 1))
+                hits.append((self.offsets[i], self.offsets[i + len(needle) - 1] + 1, i))
                 i = self.norm.find(needle, i + 1, b)
         return hits
+
+    def levels(self, at: int, pattern: str) -> dict[int, int]:
+        """Indentation in the (comment-free) pattern found at `at` -> indentation of the code there, from each
+        pattern line that starts a line in both (the first one only when the pattern starts with indentation)."""
+        found, k = {}, 0
+        for j, line in enumerate(pattern.splitlines(keepends=True)):
+            n, width = len(_BLANK.sub("", line)), len(line) - len(line.lstrip(" "))
+            if n and (j or width):
+                code = self.offsets[at + k]
+                line_start = self.text.rfind("\n", 0, code) + 1
+                if not self.text[line_start:code].strip():
+                    found.setdefault(width, code - line_start)
+            k += n
+        return found
 
     def innermost(self, start: int, end: int) -> str:
         """The qualname of the smallest function, method or class holding [start, end), or <module>."""
@@ -1129,8 +1136,7 @@ def resolve(m: Mutant, sources: Sources | None = None) -> Resolved:
     if len(hits) != 1:
         what = "no longer holds" if not hits else f"holds {len(hits)} times (needs exactly 1)"
         raise AnchorError(f"{m.name}: {qual} in {path} {what} its pattern {m.old!r}")
-    start, end = hits[0]
-    start, end, new = _fit(src.text, start, end, strip_comments(m.old), m.new)
+    start, end, new = _fit(src, *hits[0], strip_comments(m.old), m.new)
     mutated = src.text[:start] + new + src.text[end:]
     try:
         compile(mutated, path, "exec", dont_inherit=True)
@@ -1139,19 +1145,20 @@ def resolve(m: Mutant, sources: Sources | None = None) -> Resolved:
     return Resolved(m, path, start, end, mutated)
 
 
-def _fit(text: str, start: int, end: int, pattern: str, new: str) -> tuple[int, int, str]:
+def _fit(src: Source, start: int, end: int, at: int, pattern: str, new: str) -> tuple[int, int, str]:
     """Widen the matched span [start, end) to the whitespace the pattern holds around its code, and fit `new` to
-    it: a pattern that starts with indentation replaces from the start of its line, `new` re-indented by the
-    difference; one that ends with a newline replaces through the end of its line (its comment too)."""
+    it: a pattern that starts with indentation replaces from the start of its line; one that ends with a newline
+    replaces through the end of its line (its comment too). `new`'s lines are re-indented as the pattern's lines
+    were (8 -> 16 and 12 -> 24 in a file whose indentation doubled; a deeper line of `new` keeps its depth below
+    the nearest level)."""
+    text, levels = src.text, src.levels(at, pattern)
     lead = pattern[:len(pattern) - len(pattern.lstrip())]
     trail = pattern[len(pattern.rstrip()):]
     line_start = text.rfind("\n", 0, start) + 1
     if lead and "\n" not in lead and not text[line_start:start].strip():
-        shift = (start - line_start) - len(lead)
-        start = line_start
-        new = _reindent(new, shift)
-    elif lead:
-        new = new[len(lead):] if new.startswith(lead) else new
+        start, new = line_start, _reindent(new, levels)
+    else:
+        new = _reindent(new[len(lead):] if lead and new.startswith(lead) else new, levels, keep_first=True)
     if "\n" in trail:
         rest = text.find("\n", end)
         rest = len(text) if rest < 0 else rest
@@ -1162,13 +1169,20 @@ def _fit(text: str, start: int, end: int, pattern: str, new: str) -> tuple[int, 
     return start, end, new
 
 
-def _reindent(code: str, shift: int) -> str:
-    """Every non-blank line of `code` indented `shift` more spaces (fewer, when negative)."""
-    if not shift:
+def _reindent(code: str, levels: dict[int, int], keep_first: bool = False) -> str:
+    """`code` with each line's indentation mapped by `levels`: a width missing there keeps its distance above the
+    nearest mapped width below it."""
+    if all(a == b for a, b in levels.items()):
         return code
-    lines = code.splitlines(keepends=True)
-    return "".join(line if not line.strip() else " " * shift + line if shift > 0 else
-                   line[min(-shift, len(line) - len(line.lstrip(" "))):] for line in lines)
+    out = []
+    for j, line in enumerate(code.splitlines(keepends=True)):
+        width = len(line) - len(line.lstrip(" "))
+        if (j == 0 and keep_first) or not line.strip():
+            out.append(line)
+            continue
+        base = max((w for w in levels if w <= width), default=min(levels))
+        out.append(" " * max(0, levels[base] + width - base) + line[width:])
+    return "".join(out)
 
 
 def validate(mutants: list[Mutant], root: Path = ROOT) -> list[str]:
@@ -1209,17 +1223,17 @@ def anchor(name: str, path: str, old: str, new: str, bug: str, sources: Sources 
     exact = src.text.replace(old, new) if src.text.count(old) == 1 else None
     if exact is not None:
         at = src.text.index(old)
-        hits = [(a, b) for a, b in hits if at <= a and b <= at + len(old)]
+        hits = [h for h in hits if at <= h[0] and h[1] <= at + len(old)]
     if len(hits) != 1:
         raise AnchorError(f"{name}: {path} holds its old text {len(hits)} times (needs exactly 1): {old!r}")
-    start, end = hits[0]
+    start, end, _ = hits[0]
     qual = src.innermost(start, end)
     pattern = strip_comments(old)
     line = src.text.rfind("\n", 0, start) + 1
     multi_line = "\n" in new.rstrip("\n")
     lead = pattern[:len(pattern) - len(pattern.lstrip())]
     if lead and not src.text[line:start].strip():       # it starts its line: at the line's own indentation
-        new = _reindent(new, start - line - len(lead))
+        new = _reindent(new, {len(lead): start - line})
         pattern, start = src.text[line:start] + pattern[len(lead):], line
         line = src.text.rfind("\n", 0, line - 1) + 1 if line else 0
     # A multi-line edit is re-indented from its first line's indentation, so it starts a line; a pattern found
@@ -1243,9 +1257,7 @@ def reanchor_catalogue(path: Path | None = None, root: Path = ROOT) -> list[str]
     entry rewritten; raises AnchorError, leaving the file as it was, when one cannot be anchored."""
     path = path or Path(__file__).resolve()
     text = path.read_text()
-    starts = [0]
-    for line in text.splitlines(keepends=True):
-        starts.append(starts[-1] + len(line))
+    starts = [0] + [n.end() for n in re.finditer("\n", text)] + [len(text)]
 
     def offset(lineno: int, col: int) -> int:       # ast's columns count UTF-8 bytes
         line = text[starts[lineno - 1]:starts[lineno]]
