@@ -1099,7 +1099,7 @@ class Sources:
     """Parsed files under one root, each parsed once."""
 
     def __init__(self, root: Path = ROOT):
-        self.root, self._cache = root, {}
+        self.root, self._cache, self._files = root, {}, None
 
     def get(self, rel: str) -> Source:
         if rel not in self._cache:
@@ -1107,9 +1107,11 @@ class Sources:
         return self._cache[rel]
 
     def others(self, rel: str) -> list[str]:
-        files = sorted(p for d in SEARCH_DIRS if (self.root / d).is_dir() for p in (self.root / d).rglob("*.py"))
-        files += sorted(self.root.glob("*.py"))
-        return [r for r in (p.relative_to(self.root).as_posix() for p in files) if r != rel]
+        """The Python files of SEARCH_DIRS and the root, but `rel`."""
+        if self._files is None:
+            files = [p for d in SEARCH_DIRS if (self.root / d).is_dir() for p in sorted((self.root / d).rglob("*.py"))]
+            self._files = [p.relative_to(self.root).as_posix() for p in files + sorted(self.root.glob("*.py"))]
+        return [r for r in self._files if r != rel]
 
 
 def resolve(m: Mutant, sources: Sources | None = None) -> Resolved:
@@ -1253,8 +1255,9 @@ def anchor(name: str, path: str, old: str, new: str, bug: str, sources: Sources 
 def reanchor_catalogue(path: Path | None = None, root: Path = ROOT) -> list[str]:
     """Rewrite the catalogue file (this one) in place: every old-format entry of MUTANTS, `Mutant(name, path, old,
     new, bug)` with `old` an exact text of the file, becomes an anchored one (see `anchor`), and every mutant whose
-    function moved to another file gets that file in its `where`. The other entries keep their text. One line per
-    entry rewritten; raises AnchorError, leaving the file as it was, when one cannot be anchored."""
+    function moved to another file gets that file in its `where`. The other entries keep their text. Returns one
+    line per entry rewritten and, after them, one per entry left as it was because it cannot be anchored (an
+    old-format text not found once, an anchor lost: fix those by hand)."""
     path = path or Path(__file__).resolve()
     text = path.read_text()
     starts = [0] + [n.end() for n in re.finditer("\n", text)] + [len(text)]
@@ -1279,18 +1282,23 @@ def reanchor_catalogue(path: Path | None = None, root: Path = ROOT) -> list[str]
 
     (catalogue,) = [n.value for n in ast.parse(text).body if isinstance(n, ast.Assign)
                     and [getattr(t, "id", None) for t in n.targets] == ["MUTANTS"]]
-    sources, edits, done = Sources(root), [], []
+    sources, edits, done, left = Sources(root), [], [], []
     for call in catalogue.elts:
         if len(call.args) != 5 or call.keywords:
-            raise AnchorError(f"{ast.get_source_segment(text, call)[:80]}: an entry needs five positional arguments")
-        name, where, old, new, bug = (ast.literal_eval(a) for a in call.args)
-        if "::" in where:
-            r = resolve(Mutant(name, where, old, new, bug), sources)
-            if r.moved:
-                edits.append(relocated(call, f"{r.path}::{r.mutant.function}"))
-                done.append(f"{name}: moved to {r.path}")
+            left.append(f"{ast.get_source_segment(text, call)[:60]}...: not five positional arguments: left as is")
             continue
-        m = anchor(name, where, old, new, bug, sources)
+        name, where, old, new, bug = (ast.literal_eval(a) for a in call.args)
+        try:
+            if "::" in where:
+                r = resolve(Mutant(name, where, old, new, bug), sources)
+                if r.moved:
+                    edits.append(relocated(call, f"{r.path}::{r.mutant.function}"))
+                    done.append(f"{name}: moved to {r.path}")
+                continue
+            m = anchor(name, where, old, new, bug, sources)
+        except AnchorError as e:
+            left.append(f"{e}: left as is")
+            continue
         edits.append(relocated(call, m.where))
         edits += [(*span(call.args[i]), literal(v, call.args[i])) for i, v, was in ((2, m.old, old), (3, m.new, new))
                   if v != was]
@@ -1298,7 +1306,7 @@ def reanchor_catalogue(path: Path | None = None, root: Path = ROOT) -> list[str]
     for start, end, replacement in sorted(edits, reverse=True):
         text = text[:start] + replacement + text[end:]
     path.write_text(text)
-    return done
+    return done + left
 
 
 def apply(m: Mutant, tree: Path) -> None:
@@ -1412,13 +1420,9 @@ def main(argv=None) -> int:
                          "and give moved functions their new file; then exit")
     args = ap.parse_args(argv)
     if args.anchor:
-        try:
-            done = reanchor_catalogue()
-        except AnchorError as e:
-            print(f"nothing rewritten: {e}", file=sys.stderr)
-            return 2
-        print("\n".join(done) if done else "every entry is anchored already")
-        return 0
+        lines = reanchor_catalogue()
+        print("\n".join(lines) if lines else "every entry is anchored already")
+        return 2 if any(line.endswith(": left as is") for line in lines) else 0
     chosen = MUTANTS
     if args.only:
         names = [n for arg in args.only for n in arg.split(",") if n]

@@ -161,22 +161,31 @@ def test_a_moved_function_keeps_its_mutants_and_anchor_updates_their_path(tmp_pa
 
 
 # ---- the old format, converted: the anchored mutant plants the byte-identical file -----------------------------
+def _old_format(name: str, path: str, old: str, new: str, bug: str) -> str:
+    return f"    Mutant({name!r}, {path!r},\n           {old!r},\n           {new!r},\n           {bug!r}),\n"
+
+
 def test_anchor_rewrites_an_old_format_entry_into_one_that_plants_the_same_file(tmp_path):
+    """The lead's merge step: entries appended in the old format are rewritten in place, anchored; one whose text
+    is not in its file is left as it was, and said so."""
     m = next(m for m in MUTANTS if "\n" in m.new.rstrip("\n"))       # a multi-line edit, re-indented on its own
     r = mutants.resolve(m)
     text = (ROOT / m.path).read_text()
     exact_old = text[r.start:r.end]
-    entry = f"    Mutant({m.name + '_old'!r}, {m.path!r},\n           {exact_old!r},\n           {m.new!r},\n" \
-            f"           {m.bug!r}),\n"
+    stale = _old_format(m.name + "_stale", m.path, "no_such_code()\n", "pass\n", m.bug)
     catalogue = tmp_path / "catalogue.py"
     source = _PATH.read_text()
-    end = source.index("\n]\n", source.index("MUTANTS = ["))
-    catalogue.write_text(source[:end + 1] + entry + source[end + 1:])
-    assert mutants.reanchor_catalogue(catalogue) == [f"{m.name}_old: anchored at {m.where}"]
+    end = source.index("\n]\n", source.index("MUTANTS = [")) + 1
+    catalogue.write_text(source[:end] + _old_format(m.name + "_old", m.path, exact_old, m.new, m.bug) + stale
+                         + source[end:])
+    (anchored, left) = mutants.reanchor_catalogue(catalogue)
+    assert anchored == f"{m.name}_old: anchored at {m.where}"
+    assert left.startswith(f"{m.name}_stale: {m.path} holds its old text 0 times") and left.endswith("left as is")
     entries = _catalogue_entries(catalogue)
-    anchored = mutants.Mutant(*entries[m.name + "_old"])
-    assert mutants.resolve(anchored).mutated == text.replace(exact_old, m.new) == r.mutated
-    assert mutants.reanchor_catalogue(catalogue) == []      # a second run has nothing to do
+    assert mutants.resolve(mutants.Mutant(*entries[m.name + "_old"])).mutated == text.replace(exact_old, m.new) \
+        == r.mutated
+    assert stale in catalogue.read_text()
+    assert mutants.reanchor_catalogue(catalogue) == [left]      # a second run has nothing more to do
 
 
 def test_anchor_refuses_an_old_text_it_cannot_place():
