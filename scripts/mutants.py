@@ -61,8 +61,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # The CI selection: the files whose tests a catalogued bug can fail (conftest.py runs the smoke tier first
 # whatever this order: the unit tests against outside oracles, every limit, the pool, the kernels, parity's
-# pinned edges), then the rest in this order: the engine's contract, the server, tensor parallelism on gloo.
+# pinned edges), then the rest in this order: the anchoring of this catalogue (on files of its own, a second),
+# the engine's contract, the server, tensor parallelism on gloo.
 SELECTION = [
+    "tests/test_mutant_anchors.py",
     "tests/test_config.py",
     "tests/test_sampling.py",
     "tests/test_checkpoints.py",
@@ -1077,8 +1079,9 @@ class Source:
 
     def innermost(self, start: int, end: int) -> str:
         """The qualname of the smallest function, method or class holding [start, end), or <module>."""
-        holding = [(hi - lo, q) for q, spans in self.spans.items() for lo, hi in spans if lo <= start and end <= hi]
-        return min(holding)[1]
+        holding = [(hi - lo, q == MODULE, q) for q, spans in self.spans.items() for lo, hi in spans
+                   if lo <= start and end <= hi]
+        return min(holding)[2]     # a function as long as its file, rather than <module>
 
 
 @dataclass(frozen=True)
@@ -1240,7 +1243,7 @@ def anchor(name: str, path: str, old: str, new: str, bug: str, sources: Sources 
         line = src.text.rfind("\n", 0, line - 1) + 1 if line else 0
     # A multi-line edit is re-indented from its first line's indentation, so it starts a line; a pattern found
     # more than once in its function (the exact text told them apart by indentation) takes the lines before it.
-    while (multi_line and not pattern[:1].isspace()) or len(src.find(pattern, qual)) > 1:
+    while (multi_line and start > line) or len(src.find(pattern, qual)) > 1:
         if start == 0 or line < min(lo for lo, _ in src.spans[qual]):
             raise AnchorError(f"{name}: its old text is found more than once in {qual} whatever lines precede it")
         prefix = src.text[line:start]
