@@ -61,7 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # The CI selection: the files whose tests a catalogued bug can fail (conftest.py runs the smoke tier first
 # whatever this order: the unit tests against outside oracles, every limit, the pool, the kernels, parity's
-# pinned edges), then the rest in this order: the anchoring of this catalogue (on files of its own, a second),
+# pinned edges), then the rest in this order: the anchoring of this catalogue (on files of its own),
 # the engine's contract, the server, tensor parallelism on gloo.
 SELECTION = [
     "tests/test_mutant_anchors.py",
@@ -961,6 +961,35 @@ MUTANTS = [
            'fa3_prefill=config.attention_backend == "fa3")',
            "fa3_prefill=False)",
            "attention_backend='fa3' is validated but never reaches the model: every step takes chunkwise's kernel"),
+    # ---- issue 48, part 7: the anchoring of this catalogue (tests/test_mutant_anchors.py) --------------------------
+    Mutant("anchor_reindents_by_the_first_line_only", "scripts/mutants.py::_reindent",
+           "base = max((w for w in levels if w <= width), default=min(levels))",
+           "base = min(levels)",
+           "an edit is re-indented by its first line's shift alone: in a file whose indentation changed unevenly "
+           "its deeper lines land at the wrong depth"),
+    Mutant("anchor_line_pattern_keeps_a_comment", "scripts/mutants.py::_fit",
+           r'if re.fullmatch(r"[ \t]*(#.*)?", text[end:rest]):',
+           r'if re.fullmatch(r"[ \t]*", text[end:rest]):',
+           "a line pattern stops short of its line's comment: the comment stays behind the new code, whose newline "
+           "is dropped"),
+    Mutant("anchor_comments_count_as_code", "scripts/mutants.py::Source.__init__",
+           "if t.type == tokenize.COMMENT:",
+           "if t.type == tokenize.NL:",
+           "comments are kept in the code a pattern is looked for in: a comment added inside a mutated statement "
+           "loses its anchor"),
+    Mutant("anchor_takes_the_outermost_function", "scripts/mutants.py::Source.innermost",
+           "return min(holding)[2]",
+           "return max(holding)[2]",
+           "an old-format mutant is anchored in the largest span holding it (the module), not its own function"),
+    Mutant("moved_function_taken_from_the_first_holder", "scripts/mutants.py::resolve",
+           "found = [r for r in holders if len(sources.get(r).find(m.old, qual)) == 1]",
+           "found = holders[:1]",
+           "a function gone from its file is looked for in the first other file defining that name, whether or not "
+           "it holds the pattern"),
+    Mutant("anchor_ignores_where_the_exact_text_is", "scripts/mutants.py::anchor",
+           "hits = [h for h in hits if at <= h[0] and h[1] <= at + len(old)]",
+           "hits = hits",
+           "an old-format text that only its indentation told apart from another is refused as ambiguous"),
 ]
 
 
