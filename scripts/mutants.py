@@ -1138,6 +1138,13 @@ class Sources:
             self._cache[rel] = Source(self.root / rel)
         return self._cache[rel]
 
+    def defined(self, rel: str) -> set[str]:
+        """The qualnames a file defines; none when it does not parse (a fixture, another Python's syntax)."""
+        try:
+            return set(self.get(rel).spans)
+        except (SyntaxError, UnicodeDecodeError, tokenize.TokenError):
+            return set()
+
     def others(self, rel: str) -> list[str]:
         """The Python files of SEARCH_DIRS and the root, but `rel`."""
         if self._files is None:
@@ -1155,17 +1162,17 @@ def resolve(m: Mutant, sources: Sources | None = None) -> Resolved:
                           f"`python scripts/mutants.py --anchor`")
     if not _normalise(m.old):
         raise AnchorError(f"{m.name}: its pattern is empty")
-    if not (sources.root / path).is_file():
-        raise AnchorError(f"{m.name}: {path} does not exist")
-    src = sources.get(path)
-    if qual not in src.spans:
-        holders = [r for r in sources.others(path) if qual in sources.get(r).spans]
+    exists = (sources.root / path).is_file()
+    if not exists or qual not in sources.get(path).spans:     # moved? once elsewhere, with its pattern
+        holders = [r for r in sources.others(path) if qual != MODULE and qual in sources.defined(r)]
         found = [r for r in holders if len(sources.get(r).find(m.old, qual)) == 1]
         if len(found) != 1:
             where = f"; it is in {len(holders)} other files ({', '.join(holders)}), holding its pattern once in " \
                     f"{len(found)}" if holders else ""
-            raise AnchorError(f"{m.name}: {path} has no function {qual}{where}")
-        path, src = found[0], sources.get(found[0])
+            gone = f"{path} has no function {qual}" if exists else f"{path} does not exist"
+            raise AnchorError(f"{m.name}: {gone}{where}")
+        path = found[0]
+    src = sources.get(path)
     hits = src.find(m.old, qual)
     if len(hits) != 1:
         what = "no longer holds" if not hits else f"holds {len(hits)} times (needs exactly 1)"
