@@ -6,7 +6,7 @@ Each mutant is a realistic bug written as one edit anchored in the code, not in 
 ignored and found there exactly once (the function's span comes from `ast`). A pattern that starts with
 indentation replaces from the start of its line and `new` is re-indented to the code's indentation; one that ends
 with a newline replaces through the end of its line. So a reformat (re-wrapped or re-indented statements, blank
-lines, comments), a rename elsewhere, or a function moved to another file (found there once: "moved", and
+lines, comments), a rename elsewhere, or a function moved to another file or its file moved (found once: "moved";
 `--anchor` writes its new path) keeps a mutant valid; a renamed function or a rewritten pattern fails that mutant
 alone, naming it and what is missing.
 

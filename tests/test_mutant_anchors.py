@@ -143,3 +143,11 @@ def test_anchor_tells_apart_texts_that_only_indentation_told_apart(tmp_path):
     m = mutants.anchor("negated", "chunkwise/twice.py", old, new, "-", sources)
     assert m.where == "chunkwise/twice.py::f" and m.old == "    if x:\n" + old
     assert mutants.resolve(m, sources).mutated == twice.replace(old, new)
+
+
+def test_a_mutant_whose_file_is_gone_is_found_where_its_function_went_or_fails_by_name(tmp_path):
+    m = Mutant("area_halved", "chunkwise/geometry.py::area", "math.pi * r * r", "math.pi * r * r / 2", "halves it")
+    sources = _tree(tmp_path, shapes="import math\n\n\ndef area(r):\n    return math.pi * r * r\n")
+    assert mutants.resolve(m, sources).path == "chunkwise/shapes.py"
+    gone = Mutant("gone", "chunkwise/geometry.py::volume", "r * r * r", "r * r", "-")
+    assert mutants.validate([gone], root=tmp_path) == ["gone: chunkwise/geometry.py does not exist"]
