@@ -968,7 +968,7 @@ MUTANTS = [
            "an edit is re-indented by its first line's shift alone: in a file whose indentation changed unevenly "
            "its deeper lines land at the wrong depth"),
     Mutant("anchor_line_pattern_keeps_a_comment", "scripts/mutants.py::_fit",
-           r'if re.fullmatch(r"[ \t]*(#.*)?", text[end:rest]):',
+           r'if re.fullmatch(r"[ \t]*(#.*)?" if src.python else r"[ \t]*", text[end:rest]):',
            r'if re.fullmatch(r"[ \t]*", text[end:rest]):',
            "a line pattern stops short of its line's comment: the comment stays behind the new code, whose newline "
            "is dropped"),
@@ -1047,27 +1047,25 @@ def strip_comments(code: str) -> str:
     return "".join(out)
 
 
-def _normalise(code: str) -> str:
-    return _BLANK.sub("", strip_comments(code))
-
-
 class Source:
-    """One Python file: its text, the span of every function, method and class by qualname, and the text with
-    whitespace and comments left out (with each kept character's offset), where patterns are looked for."""
+    """One file: its text, the span of every function, method and class by qualname, and the text with whitespace
+    and comments left out (with each kept character's offset), where patterns are looked for. A file that is not
+    Python (README.md) is one span, <module>, and its `#` is text."""
 
     def __init__(self, path: Path):
-        self.path = path
+        self.path, self.python = path, path.suffix == ".py"
         self.text = path.read_text()
         starts = [0] + [n.end() for n in re.finditer("\n", self.text)] + [len(self.text)]   # of each line, as ast counts
         self.spans: dict[str, list[tuple[int, int]]] = {MODULE: [(0, len(self.text))]}
-        for qual, node in self._defs(ast.parse(self.text), ""):
-            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
-            self.spans.setdefault(qual, []).append((starts[first - 1], starts[node.end_lineno]))
         blanked = list(self.text)
-        for t in tokenize.generate_tokens(io.StringIO(self.text).readline):
-            if t.type == tokenize.COMMENT:
-                start = starts[t.start[0] - 1] + t.start[1]
-                blanked[start:start + len(t.string)] = " " * len(t.string)
+        if self.python:
+            for qual, node in self._defs(ast.parse(self.text), ""):
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                self.spans.setdefault(qual, []).append((starts[first - 1], starts[node.end_lineno]))
+            for t in tokenize.generate_tokens(io.StringIO(self.text).readline):
+                if t.type == tokenize.COMMENT:
+                    start = starts[t.start[0] - 1] + t.start[1]
+                    blanked[start:start + len(t.string)] = " " * len(t.string)
         kept = [c.start() for c in re.finditer(r"[^\s\\]|\\(?!\n)", "".join(blanked))]
         self.norm, self.offsets = "".join(self.text[i] for i in kept), kept
 
@@ -1080,10 +1078,14 @@ class Source:
             elif isinstance(child, (ast.stmt, ast.excepthandler, ast.match_case)):   # no def inside an expression
                 yield from Source._defs(child, prefix)
 
+    def code(self, pattern: str) -> str:
+        """A pattern as it is matched in this file: without its comments, in Python."""
+        return strip_comments(pattern) if self.python else pattern
+
     def find(self, pattern: str, qual: str = MODULE) -> list[tuple[int, int, int]]:
         """Every (start, end, at) where the normalised pattern occurs inside `qual`'s span(s): [start, end) in the
         text, from its first character of code to its last, and `at` in the normalised text."""
-        needle, hits = _normalise(pattern), []
+        needle, hits = _BLANK.sub("", self.code(pattern)), []
         for lo, hi in self.spans.get(qual, []):
             a, b = bisect.bisect_left(self.offsets, lo), bisect.bisect_left(self.offsets, hi)
             i = self.norm.find(needle, a, b)
@@ -1160,7 +1162,7 @@ def resolve(m: Mutant, sources: Sources | None = None) -> Resolved:
     if "::" not in m.where:
         raise AnchorError(f"{m.name}: old format ({m.where!r} names no function): convert it with "
                           f"`python scripts/mutants.py --anchor`")
-    if not _normalise(m.old):
+    if not _BLANK.sub("", m.old):
         raise AnchorError(f"{m.name}: its pattern is empty")
     exists = (sources.root / path).is_file()
     if not exists or qual not in sources.get(path).spans:     # moved? once elsewhere, with its pattern
@@ -1177,10 +1179,11 @@ def resolve(m: Mutant, sources: Sources | None = None) -> Resolved:
     if len(hits) != 1:
         what = "no longer holds" if not hits else f"holds {len(hits)} times (needs exactly 1)"
         raise AnchorError(f"{m.name}: {qual} in {path} {what} its pattern {m.old!r}")
-    start, end, new = _fit(src, *hits[0], strip_comments(m.old), m.new)
+    start, end, new = _fit(src, *hits[0], src.code(m.old), m.new)
     mutated = src.text[:start] + new + src.text[end:]
     try:
-        compile(mutated, path, "exec", dont_inherit=True)
+        if src.python:
+            compile(mutated, path, "exec", dont_inherit=True)
     except SyntaxError as e:
         raise AnchorError(f"{m.name}: the edit leaves {path} invalid Python ({e.msg}, line {e.lineno})") from None
     return Resolved(m, path, start, end, mutated)
@@ -1203,7 +1206,7 @@ def _fit(src: Source, start: int, end: int, at: int, pattern: str, new: str) -> 
     if "\n" in trail:
         rest = text.find("\n", end)
         rest = len(text) if rest < 0 else rest
-        if re.fullmatch(r"[ \t]*(#.*)?", text[end:rest]):
+        if re.fullmatch(r"[ \t]*(#.*)?" if src.python else r"[ \t]*", text[end:rest]):
             return start, min(rest + 1, len(text)), new
     if trail and new.endswith(trail):
         new = new[:-len(trail)]
@@ -1269,7 +1272,7 @@ def anchor(name: str, path: str, old: str, new: str, bug: str, sources: Sources 
         raise AnchorError(f"{name}: {path} holds its old text {len(hits)} times (needs exactly 1): {old!r}")
     start, end, _ = hits[0]
     qual = src.innermost(start, end)
-    pattern = strip_comments(old)
+    pattern = src.code(old)
     line = src.text.rfind("\n", 0, start) + 1
     multi_line = "\n" in new.rstrip("\n")
     lead = pattern[:len(pattern) - len(pattern.lstrip())]
@@ -1283,7 +1286,7 @@ def anchor(name: str, path: str, old: str, new: str, bug: str, sources: Sources 
         if start == 0 or line < min(lo for lo, _ in src.spans[qual]):
             raise AnchorError(f"{name}: its old text is found more than once in {qual} whatever lines precede it")
         prefix = src.text[line:start]
-        pattern, new, multi_line = strip_comments(prefix) + pattern, prefix + new, False
+        pattern, new, multi_line = src.code(prefix) + pattern, prefix + new, False
         start, line = line, src.text.rfind("\n", 0, line - 1) + 1 if line else 0
     m = Mutant(name, f"{path}::{qual}", pattern, new, bug)
     if exact is not None and resolve(m, sources).mutated != exact:

@@ -151,3 +151,15 @@ def test_a_mutant_whose_file_is_gone_is_found_where_its_function_went_or_fails_b
     assert mutants.resolve(m, sources).path == "chunkwise/shapes.py"
     gone = Mutant("gone", "chunkwise/geometry.py::volume", "r * r * r", "r * r", "-")
     assert mutants.validate([gone], root=tmp_path) == ["gone: chunkwise/geometry.py does not exist"]
+
+
+def test_a_file_that_is_not_python_is_one_span_whose_hashes_are_text(tmp_path):
+    readme = "# Composing\n\n```python\ndoc_b = eng.register_chunk(b)  # the second\nprint(doc_b)\n```\n"
+    (tmp_path / "README.md").write_text(readme)
+    sources = mutants.Sources(tmp_path)
+    m = mutants.anchor("renamed", "README.md", "doc_b = eng.register_chunk(b)  # the second\n",
+                       "doc_2 = eng.register_chunk(b)  # the second\n", "-", sources)
+    assert (m.where, m.old) == ("README.md::<module>", "doc_b = eng.register_chunk(b)  # the second\n")
+    assert mutants.resolve(m, sources).mutated == readme.replace("doc_b = eng", "doc_2 = eng")
+    heading = Mutant("heading", "README.md::<module>", "# Composing\n", "# Composition\n", "-")
+    assert mutants.resolve(heading, sources).mutated == readme.replace("Composing", "Composition")

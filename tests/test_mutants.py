@@ -24,6 +24,7 @@ _spec.loader.exec_module(mutants)
 
 MUTANTS = mutants.MUTANTS
 HOSTED = sorted({m.path for m in MUTANTS})
+PYTHON = [m for m in MUTANTS if m.path.endswith(".py")]     # README.md's mutants have no functions to rename
 
 
 def test_every_mutant_applies_to_the_tree_exactly_once():
@@ -49,7 +50,7 @@ def _defs(text: str):
 # ---- a function renamed, a pattern gone or doubled: that mutant alone fails, by name --------------------------
 def _host(count_one: bool) -> str:
     """A function (not module-level code) that hosts one mutant, or several, and is defined once in its file."""
-    counts = {w: sum(m.where == w for m in MUTANTS) for w in {m.where for m in MUTANTS}}
+    counts = {w: sum(m.where == w for m in PYTHON) for w in {m.where for m in PYTHON}}
     for where in sorted(counts):
         path, _, qual = where.partition("::")
         names = [q for q, _ in _defs((ROOT / path).read_text())]
@@ -82,7 +83,7 @@ def test_renaming_a_function_fails_only_its_mutants_anchors_by_name(tmp_path, co
 
 def _plain_line_mutant():
     """A mutant whose pattern is one whole line (its indentation, its code, its newline)."""
-    return next(m for m in MUTANTS if m.old[:1] == " " and m.old.endswith("\n") and m.old.count("\n") == 1
+    return next(m for m in PYTHON if m.old[:1] == " " and m.old.endswith("\n") and m.old.count("\n") == 1
                 and m.function != mutants.MODULE)
 
 
@@ -121,7 +122,7 @@ def test_a_name_used_twice_is_refused():
 
 # ---- a function moved to another file: found there, reported, and --anchor writes its path --------------------
 def _top_level_host() -> tuple[str, str]:
-    for m in MUTANTS:
+    for m in PYTHON:
         names = [q for q, _ in _defs((ROOT / m.path).read_text())]
         if m.function != mutants.MODULE and "." not in m.function and names.count(m.function) == 1:
             return m.path, m.function
@@ -168,7 +169,7 @@ def _old_format(name: str, path: str, old: str, new: str, bug: str) -> str:
 def test_anchor_rewrites_an_old_format_entry_into_one_that_plants_the_same_file(tmp_path):
     """The lead's merge step: entries appended in the old format are rewritten in place, anchored; one whose text
     is not in its file is left as it was, and said so."""
-    m = next(m for m in MUTANTS if "\n" in m.new.rstrip("\n"))       # a multi-line edit, re-indented on its own
+    m = next(m for m in PYTHON if "\n" in m.new.rstrip("\n"))       # a multi-line edit, re-indented on its own
     r = mutants.resolve(m)
     text = (ROOT / m.path).read_text()
     exact_old = text[r.start:r.end]
@@ -267,12 +268,12 @@ def test_reformatting_keeps_every_anchor_and_plants_the_same_bug(tmp_path):
     function it lives in comes out of the edit as it does from the edit of the file as it is (the rest of the file
     is the reformatted one by construction: the edit stays inside the function)."""
     tree = _copy(tmp_path)
-    for path in HOSTED:
-        hosts = {m.function for m in MUTANTS if m.path == path}
+    for path in {m.path for m in PYTHON}:
+        hosts = {m.function for m in PYTHON if m.path == path}
         (tree / path).write_text(_reformat((ROOT / path).read_text(), hosts))
     assert mutants.validate(MUTANTS, root=tree) == []
     sources, reformatted = mutants.Sources(ROOT), mutants.Sources(tree)
-    for m in MUTANTS:
+    for m in PYTHON:
         planted = mutants.resolve(m, reformatted).mutated
         expected = mutants.resolve(m, sources).mutated
         assert _function(planted, m.function) == _function(expected, m.function), \
