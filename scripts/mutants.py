@@ -1001,11 +1001,13 @@ MUTANTS = [
            "hits = hits",
            "an old-format text that only its indentation told apart from another is refused as ambiguous"),
     # ---- h48layers (issue 48 parts 4 and 6): layers that point one way, an EngineConfig without side effects ----
-    Mutant("page_tables_import_the_page_pool", "chunkwise/engine/page_tables.py::<module>",
-           "from chunkwise.engine.page_changes import PageChanges\n",
-           "from chunkwise.engine.page_pool import PageChanges\n",
-           "the runner's page tables take PageChanges from the page pool, which imports it too: it works, but the "
-           "runner side now imports the scheduler side (an import up the layers)"),
+    Mutant("collective_raises_the_executors_error", "chunkwise/engine/distributed/tensor_parallel.py::CollectiveGuard.issuing",
+           '                raise RuntimeError(f"no collective is issued once {self.lost}")\n',
+           "                from chunkwise.engine.executor.workers import TensorParallelError\n"
+           '                raise TensorParallelError(f"no collective is issued once {self.lost}")\n',
+           "a collective refused after its group was lost raises the executor's TensorParallelError, imported "
+           "inside the function to dodge the import circle: the collectives reach up past the runner to the "
+           "orchestration again, the tangle engine/parallel was"),
     Mutant("engine_config_resolves_its_checkpoint", "chunkwise/engine_config.py::EngineConfig.__post_init__",
            "        _check_tensor_parallel(self)\n",
            "        from chunkwise.checkpoints import resolve_model\n        resolve_model(self.model)\n"
