@@ -266,7 +266,7 @@ def test_a_single_device_engine_closes_too(ckpt):
 
 
 def write_config(tmp_path, **overrides):
-    """A checkpoint directory holding only config.json (EngineConfig reads no weights)."""
+    """A checkpoint directory holding only config.json (opening the engine config reads no weights)."""
     from transformers import AutoConfig
 
     from chunkwise.checkpoints import tiny_config_dict
