@@ -713,8 +713,10 @@ MUTANTS = [
            "generated text is decoded with the special tokens kept, so a request that stops on EOS (or <end_of_turn>) "
            "returns and streams the token's text, e.g. a trailing '<eos>'"),
     Mutant("composite_prompt_ignores_explicit_chunk_sizes", "chunkwise/requests.py",
-           "        elif c is None and pc is not None:   # explicit chunk_sizes win over the pieces' boundaries\n",
-           "        elif pc is not None:   # a composite prompt is prefilled piece by piece\n",
+           "        if mode != \"exact\" and pc is not None:\n            c = [len(tokens)]\n",
+           "        if mode != \"exact\" and pc is not None:\n            c = [len(tokens)]\n"
+           "        elif pc is not None:   # a composite prompt is prefilled piece by piece\n"
+           "            c = [piece.num_tokens for piece in pc]\n",
            "a composite prompt (holding a Chunk) is always prefilled at its pieces' boundaries: the caller's explicit "
            "chunk_sizes for it are silently ignored"),
     Mutant("pool_check_counts_the_last_sampled_token", "chunkwise/engine/scheduler.py",
@@ -916,6 +918,14 @@ MUTANTS = [
            'fa3_prefill=config.attention_backend == "fa3")',
            "fa3_prefill=False)",
            "attention_backend='fa3' is validated but never reaches the model: every step takes chunkwise's kernel"),
+    # ---- h49chat (issue 49 parts 1 and 4): composite prompts scheduled by the budget; chunks in chat -----------
+    Mutant("composite_piece_boundary_splits_a_step", "chunkwise/requests.py",
+           "        if mode != \"exact\" and pc is not None:\n            c = [len(tokens)]\n",
+           "        if mode != \"exact\" and pc is not None:\n            c = [len(tokens)]\n"
+           "        elif c is None and pc is not None:   # each piece its own prefill step\n"
+           "            c = [piece.num_tokens for piece in pc]\n",
+           "a composite prompt's piece boundaries still split its prefill: each piece runs as a step of its own "
+           "(8 steps for 8 documents) instead of the budget-sized steps of the plain prompt of the same ids"),
 ]
 
 
