@@ -35,7 +35,7 @@ NUM_DOCS, DOC_LEN, QUESTION_LEN = 20, 512, 64
 TTFT_DOCS, REPS = 8, 7
 RAG_REQUESTS, RAG_DOCS, RAG_OUTPUT = 256, 4, 128
 # "recompute": the same ids as one plain prompt (no chunk boundaries: prefilled by the token budget alone); "exact":
-# the composite prompt in exact mode, each piece one prefill chunk (one step each).
+# the composite prompt in exact mode (its pieces scheduled by the token budget too, issue 49).
 MODES = {"recompute": None, "exact": "exact", "blend r=0.15": Blend(0.15),
          "chunk-heads r=0.15": Blend(0.15, "chunk-heads")}
 RESULTS: dict[str, dict] = {}
