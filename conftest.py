@@ -94,6 +94,7 @@ SMOKE = (
     "tests/test_serve.py::test_chat_logprobs_without_top_logprobs_hold_each_tokens_own_and_no_top_list",
     "tests/test_serve.py::test_a_stop_string_alone_is_a_list_of_one_and_held_back_text_is_sent_when_the_request_ends",
     "tests/test_serve.py::test_temperature_defaults_to_one_and_top_k_and_top_p_reach_the_sampler",
+    "tests/test_serve_chat_chunks.py::test_a_chunk_whose_edges_the_tokenizer_splits_anyway_gives_the_inlined_conversations_ids",
     "tests/test_page_pool.py",
     "tests/test_chunks.py::test_pieces_do_not_set_chunk_sizes_but_explicit_chunk_sizes_win",
     "tests/test_chunks.py::test_a_composite_whose_leading_chunk_is_cached_starts_where_the_cache_ends",

@@ -73,6 +73,7 @@ SELECTION = [
     "tests/test_bf16_cpu.py",
     "tests/test_serve.py",
     "tests/test_serve_chunks.py",
+    "tests/test_serve_chat_chunks.py",
     "tests/test_serve_streaming.py",
     "tests/test_serve_process.py",
     "tests/test_bench_serving.py",
@@ -926,6 +927,12 @@ MUTANTS = [
            "            c = [piece.num_tokens for piece in pc]\n",
            "a composite prompt's piece boundaries still split its prefill: each piece runs as a step of its own "
            "(8 steps for 8 documents) instead of the budget-sized steps of the plain prompt of the same ids"),
+    Mutant("chat_chunk_spliced_one_token_off", "chunkwise/serve/chat.py",
+           "        start = hit.end()\n",
+           "        start = hit.end() + 1   # past the placeholder\n",
+           "the chat text after each chunk part starts one character past its placeholder: the token the template "
+           "writes right after a chunk (its end-of-turn) is dropped or changed, so the spliced prompt is one token off "
+           "the conversation's"),
 ]
 
 
