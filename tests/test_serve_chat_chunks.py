@@ -256,6 +256,13 @@ def test_a_system_chunk_under_a_template_without_a_system_role_is_a_400_naming_i
     assert [x["chunk"] for x in r.choices[0].model_extra["chunk_reuse"]] == [None, chunks["doc"], None]
 
 
+def test_a_tool_message_of_text_is_served_beside_chunks_where_a_tool_chunk_is_refused(server, client, chunks):
+    messages = [{"role": "user", "content": [chunk_part(chunks["doc"])]},
+                {"role": "tool", "tool_call_id": "t1", "content": [text_part(" sleeps")]}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert [x["chunk"] for x in r.choices[0].model_extra["chunk_reuse"]] == [None, chunks["doc"], None]
+
+
 def test_the_server_still_serves_chat_chunks_after_bad_parts(server, client, chunks):
     r = client.chat.completions.create(model=MODEL, messages=conversation(chunks), max_tokens=1)
     assert r.choices[0].finish_reason == "length"

@@ -66,7 +66,7 @@ def splice_chat(tokenizer, messages: list[ChatMessage], chunks: dict[str, Chunk]
                                   where if part.type in ("text", "chunk") else where + ".type")
         rendered_messages.append({"role": m.role, "content": "".join(text)})
     rendered = _render(tokenizer, rendered_messages, parts)
-    found = re.compile(re.escape(_placeholder(nonce, "@")).replace("@", r"(\d+)"))
+    found = re.compile(re.escape(f"<|chunkwise-{nonce}:") + r"(\d+)" + re.escape("|>"))
     pieces: list[list[int] | Chunk] = []
     placed = set()
     start = 0
@@ -86,8 +86,9 @@ def splice_chat(tokenizer, messages: list[ChatMessage], chunks: dict[str, Chunk]
     return ChatPrompt(tuple(pieces), sum(len(p) for p in pieces))
 
 
-def _placeholder(nonce: str, k) -> str:
-    return f"<|chunkwise-{nonce}-{k}|>"
+def _placeholder(nonce: str, k: int) -> str:
+    """The k-th chunk part's stand-in in the rendered text (`found` in splice_chat matches it)."""
+    return f"<|chunkwise-{nonce}:{k}|>"
 
 
 def _render(tokenizer, messages: list[dict], parts: list[tuple[Chunk, str, str]]) -> str:
