@@ -33,7 +33,8 @@ CHATML = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{
 # Two ways a template has no system role: it refuses one (as Mistral's and Gemma 2's do) or drops it.
 REFUSES_SYSTEM = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
                   "supported') }}{% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
-DROPS_SYSTEM = "{% for m in messages %}{% if m['role'] != 'system' %}{{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}"
+DROPS_SYSTEM = ("{% for m in messages %}{% if m['role'] != 'system' %}{{ m['role'] }}: {{ m['content'] }}\n{% endif %}"
+                "{% endfor %}")
 SYS_TEXT = " Answer in one word."          # words led by a space: the byte-level tokenizer splits at their edges
 DOC_TEXT = " the brown fox sleeps"
 THE_BYTES = "the"                          # registered as single-byte ids, which the tokenizer would merge
