@@ -73,7 +73,7 @@ class EngineConfig:
                                              # deterministic=True). Decodes and blends keep chunkwise's kernels.
     tensor_parallel_size: int = 1            # ranks (one process and device each) sharding the model, Megatron-style
     custom_all_reduce: bool = False          # tensor parallel on GPUs: small all-reduces through peer memory, not
-                                             # NCCL (opt-in: README, Several GPUs)
+                                             # NCCL (opt-in: docs/ENGINE.md, Several GPUs)
     async_scheduling: bool | None = None     # overlap: prepare step k+1 while the device runs step k; None: on
                                              # with CUDA (on CPU the host is the device: nothing to overlap)
     path: Path = field(init=False, repr=False)                 # the checkpoint directory

@@ -1,4 +1,4 @@
-"""Blend mode in the fast engine (issue #28 §3; docs/ARCHITECTURE.md, "Composing chunks"): which tokens of a blended
+"""Blend mode in the fast engine (issue #28 §3; docs/ARCHITECTURE.md, "Blend mode"): which tokens of a blended
 prompt are computed at which layer, and where the others' K/V come from.
 
 A blended prompt is prefilled in one step from c0, the end of its exact prefix-cache hit. Its *candidates* are the

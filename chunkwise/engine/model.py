@@ -80,18 +80,15 @@ class LayerState:
 # A step of at most this many prefill rows splits their context across programs every PREFILL_SPLIT_SIZE positions,
 # in PREFILL_SPLIT_TILE_ROWS-row tiles (paged_attention's split_size): such a chunk fills few programs, each
 # sweeping the whole context.
-# Chosen on an H200 (benchmarks/attention_rows.py, CUDA-graph replays, Qwen3-0.6B's 16q/8kv d128): over chunks of
-# 64-512 rows after 512-8192 tokens 2.3x less time than one pass (geometric mean; 512 positions and 128 rows beat
-# 256 or 1024 and 256 rows), and less at every such shape; at 1024 rows or more one pass wins after 2k tokens.
-# bench_engine's decode-heavy workload (such chunks beside up to 256 decodes) measured the same either way.
+# Chosen by benchmarks/attention_rows.py: docs/BENCHMARKS.md, "Behind the code: PREFILL_SPLIT_ROWS".
 PREFILL_SPLIT_ROWS = 512
 PREFILL_SPLIT_SIZE = 512
 PREFILL_SPLIT_TILE_ROWS = 128   # the split launches' tile cap, and so their workspace's
 # A blend's rows after its check layers lie anywhere in the context, each query block spanning most of it.
 BLEND_SPLIT_ROWS = 1024
-# One-pass prefill tiles' rows (256 on Hopper, else 128: tile_config), in both modes. On an H200 the 256-row tiles
-# took 0.91x the 128-row ones' time over three prefill chunks (300-4096 rows after 2-4k, 16q/8kv). Deterministic
-# mode's decodes take 16-row tiles (paged_decode with sum_by_dot), whose rows get these tiles' bits.
+# One-pass prefill tiles' rows (256 on Hopper, else 128: tile_config), in both modes (docs/BENCHMARKS.md,
+# "Behind the code: PREFILL_TILE_ROWS"). Deterministic mode's decodes take 16-row tiles (paged_decode with
+# sum_by_dot), whose rows get these tiles' bits.
 PREFILL_TILE_ROWS = 256
 
 
@@ -114,8 +111,8 @@ class Model:
                                and not cfg.o_proj_bias)
         self.embed = weights["model.embed_tokens.weight"]
         # A mixed step's decodes (memory-bound) run on this stream beside its prefill attention (compute-bound,
-        # one 256-row program per SM), on the SMs the prefill's last wave leaves idle (H200, prefill-heavy
-        # benchmark: 69.5% -> 72.6% of its roofline; same tokens). Deterministic mode's too: which SM runs a
+        # one 256-row program per SM), on the SMs the prefill's last wave leaves idle (docs/BENCHMARKS.md,
+        # "Behind the code: side_stream"). Deterministic mode's too: which SM runs a
         # program, and when, changes none of its bits. None on the CPU.
         device = self.embed.device
         self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None

@@ -233,7 +233,7 @@ class ModelRunner:
         """(logits [N, vocab] or None, greedy tokens int64 [N]) of a prepared step. Under tensor parallelism the
         forward leaves each rank its vocabulary slice; the tokens come from the slices' maxima, and the logits
         are gathered whole only when the step samples from them (HostStep.needs_logits): gathering [N, vocab]
-        to every rank took about 3% of a 256-row decode step of a 128k vocabulary on two H200s."""
+        to every rank is a measurable share of a decode step (docs/BENCHMARKS.md, "Behind the code")."""
         logits, tokens = self.forward(host)
         tp = self.tp
         if tp is None:

@@ -1,9 +1,8 @@
 """One-shot all-reduce through peer memory, optionally fused with the residual add and RMSNorm that follow it.
 
-For the small all-reduces of tensor-parallel decode steps (o_proj and down_proj outputs, [rows, hidden]): 64 rows of
-4096 bf16, 66 calls replayed back to back in a CUDA graph on two H200s, take 7.4 us a call here at one program per SM,
-10.8 us in PyTorch's symmetric-memory one-shot all-reduce, 22.5 us in NCCL. Large ones (prefill) stay on NCCL, which
-is as fast there.
+For the small all-reduces of tensor-parallel decode steps (o_proj and down_proj outputs, [rows, hidden]), where it
+is faster than PyTorch's symmetric-memory one-shot all-reduce and NCCL (docs/BENCHMARKS.md, "Behind the code:
+all_reduce"). Large ones (prefill) stay on NCCL, which is as fast there.
 
 Layouts (N = world size, P = programs, fixed per set of buffers; cap = elements per rank's region):
     x, out, residual, residual_out:  [rows, hidden], contiguous, rows * hidden <= cap

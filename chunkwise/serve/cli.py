@@ -58,9 +58,9 @@ ENGINE_OPTIONS = ("dtype", "device", "page_size", "max_model_len", "num_pages", 
 
 
 # Where serving differs from the library's defaults. A step that decodes and prefills makes every decoding user
-# wait for its prefill: with 256 prefill tokens beside them (the full budget, 512, when nothing decodes) a mixed
-# step of the Qwen3-0.6B shape took 1.6x a decode-only step on an H100, against 2.1x with 512 (docs/BENCHMARKS.md,
-# Serving). The library keeps the budget alone, for offline throughput.
+# wait for its prefill, so serving caps the prefill beside decodes (the full budget still when nothing decodes;
+# measured: docs/BENCHMARKS.md, "Behind the code: SERVING_DEFAULTS"). The library keeps the budget alone, for
+# offline throughput.
 SERVING_DEFAULTS = {"max_prefill_tokens_with_decodes": 256}
 
 

@@ -17,7 +17,7 @@ import torch
 from chunkwise.kernels.all_reduce import PeerBuffers, push_all_reduce
 from chunkwise.engine.parallel.peer_memory import PeerMemory, native_atomics
 
-MAX_BYTES = 8 << 20   # per rank and call; above a few MB NCCL's ring is as fast (64 MB: 254 us either way, 2xH200)
+MAX_BYTES = 8 << 20   # per rank and call; above a few MB NCCL's ring is as fast (docs/BENCHMARKS.md)
 MAX_WORLD = 8         # one NVLink domain's GPUs
 
 
