@@ -42,7 +42,8 @@ pytestmark = pytest.mark.gpu
 NUM_DOCS, DOC_LEN, QUESTION_LEN = 20, 512, 64
 TTFT_DOCS, REPS = 8, 7
 RAG_REQUESTS, RAG_DOCS, RAG_OUTPUT = 256, 4, 128
-# "plain": the same ids as one plain prompt; "exact": the composite prompt in exact mode.
+# "plain": the same ids as one plain prompt; "exact": the composite prompt in exact mode (its pieces scheduled by
+# the token budget as the plain prompt is, issue 49).
 MODES = {"plain": None, "exact": "exact", "blend r=0.15": Blend(0.15), "blend r=0.5": Blend(0.5),
          "chunk-heads r=0.15": Blend(0.15, "chunk-heads")}
 RAG2_REQUESTS, RAG2_DOCS, RAG2_DOC_LEN, RAG2_PER_REQUEST = 256, 40, 1024, 8

@@ -96,6 +96,7 @@ SELECTION = [
     "tests/test_bf16_cpu.py",
     "tests/test_serve.py",
     "tests/test_serve_chunks.py",
+    "tests/test_serve_chat_chunks.py",
     "tests/test_serve_streaming.py",
     "tests/test_serve_process.py",
     "tests/test_bench_serving.py",
@@ -758,8 +759,10 @@ MUTANTS = [
            "generated text is decoded with the special tokens kept, so a request that stops on EOS (or <end_of_turn>) "
            "returns and streams the token's text, e.g. a trailing '<eos>'"),
     Mutant("composite_prompt_ignores_explicit_chunk_sizes", "chunkwise/requests.py::validate_requests",
-           '        elif c is None and pc is not None:\n',
-           "        elif pc is not None:   # a composite prompt is prefilled piece by piece\n",
+           "        if mode != \"exact\" and pc is not None:\n            c = [len(tokens)]\n",
+           "        if mode != \"exact\" and pc is not None:\n            c = [len(tokens)]\n"
+           "        elif pc is not None:   # a composite prompt is prefilled piece by piece\n"
+           "            c = [piece.num_tokens for piece in pc]\n",
            "a composite prompt (holding a Chunk) is always prefilled at its pieces' boundaries: the caller's explicit "
            "chunk_sizes for it are silently ignored"),
     Mutant("pool_check_counts_the_last_sampled_token", "chunkwise/engine/scheduler.py::Scheduler.check_fits",
@@ -1019,6 +1022,20 @@ MUTANTS = [
            "",
            "when the model-dependent checks moved out of EngineConfig, the tensor-parallel shape check was left "
            "behind: tensor_parallel_size=3 over 4 heads is accepted"),
+    # ---- h49chat (issue 49 parts 1 and 4): composite prompts scheduled by the budget; chunks in chat -----------
+    Mutant("composite_piece_boundary_splits_a_step", "chunkwise/requests.py::validate_requests",
+           "        if mode != \"exact\" and pc is not None:\n            c = [len(tokens)]\n",
+           "        if mode != \"exact\" and pc is not None:\n            c = [len(tokens)]\n"
+           "        elif c is None and pc is not None:   # each piece its own prefill step\n"
+           "            c = [piece.num_tokens for piece in pc]\n",
+           "a composite prompt's piece boundaries still split its prefill: each piece runs as a step of its own "
+           "(8 steps for 8 documents) instead of the budget-sized steps of the plain prompt of the same ids"),
+    Mutant("chat_chunk_spliced_one_token_off", "chunkwise/serve/chat.py::splice_chat",
+           "        start = hit.end()\n",
+           "        start = hit.end() + 1   # past the placeholder\n",
+           "the chat text after each chunk part starts one character past its placeholder: the token the template "
+           "writes right after a chunk (its end-of-turn) is dropped or changed, so the spliced prompt is one token off "
+           "the conversation's"),
 ]
 
 
