@@ -1,5 +1,6 @@
 """Shared pytest set-up: the device, Triton's interpreter on CPU, Hypothesis profiles, the `gpu` marker,
-and benchmarks/ running only under `--benchmark-only` (or `--benchmark-enable`)."""
+and benchmarks/ running only under `--benchmark-only` (or `--benchmark-enable`, or `--benchmark-disable`: each
+benchmark's body once, untimed, as CI runs the CPU tier)."""
 import os
 
 import torch
@@ -27,7 +28,7 @@ def device() -> torch.device:
 
 
 def _benchmarks_wanted(config) -> bool:
-    return bool(config.getoption("benchmark_only", False) or config.getoption("benchmark_enable", False))
+    return any(config.getoption(name, False) for name in ("benchmark_only", "benchmark_enable", "benchmark_disable"))
 
 
 def _deselect(config, items, drop) -> int:

@@ -39,6 +39,7 @@ from chunkwise.sampling import RequestOutput, SamplingParams
 from chunkwise.tokenizer import TextStream, decode, load_tokenizer
 from chunkwise.engine.blend import HostBlend, blend_report
 from chunkwise.engine.host_step import Launched
+from chunkwise.engine.model import Model
 from chunkwise.engine.page_pool import PagePool
 from chunkwise.engine.executor.executor import Executor, MultiprocExecutor
 from chunkwise.engine.executor.workers import TensorParallelError
@@ -91,13 +92,18 @@ class Engine:
     """The shared interface plus the paging knobs of `EngineConfig` (page pool size, per-step token budget,
     running-sequence cap, prefix caching, CUDA graphs, split-KV threshold and split size)."""
 
+    # What runs the steps' forward: a subclass may set a stand-in with Model's constructor and forward, on one
+    # device (chunkwise/engine/stand_in_model.py: the host's work alone, as benchmarks/bench_host.py times it).
+    model_class: type = Model
+
     def __init__(self, model, **kwargs):
         self.engine_config = config = open_config(EngineConfig(model, **kwargs))
         self.model_config, self.dtype, self.device = config.model_config, config.dtype, config.device
         self.max_model_len, self.page_size = config.max_model_len, config.page_size
         self.tokenizer = load_tokenizer(config.path)
         self._closed: str | None = None                      # why the engine takes no more work, once closed
-        self.executor = Executor(config) if config.tensor_parallel_size == 1 else MultiprocExecutor(config)
+        executor = Executor if config.tensor_parallel_size == 1 else MultiprocExecutor
+        self.executor = executor(config, self.model_class)
         self.page_pool = PagePool(self.executor.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.page_pool, self.model_config.eos_token_ids)
         self.chunks = ChunkRegistry("chunkwise.Engine")       # registered chunks, and the pages of pinned ones

@@ -44,7 +44,9 @@ Forward = tuple[torch.Tensor | None, torch.Tensor]   # (logits or None, greedy t
 class ModelRunner:
     """One device's runner: prepares a ScheduledBatch's inputs and launches its forward, over its KV cache."""
 
-    def __init__(self, config: EngineConfig, weights: dict[str, torch.Tensor], tp: TensorParallel | None = None):
+    def __init__(self, config: EngineConfig, weights: dict[str, torch.Tensor], tp: TensorParallel | None = None,
+                 model_class: type = Model):
+        """`model_class`: Model, or a stand-in with its constructor and forward (chunkwise/engine/stand_in_model.py)."""
         cfg = config.model_config
         self.engine_config, self.tp = config, tp
         self.num_heads = len(tp.q_heads) if tp else cfg.num_heads          # this rank's
@@ -52,7 +54,7 @@ class ModelRunner:
         self.page_size = config.page_size
         self.device = tp.device if tp else config.device
         self.split_kv_threshold, self.split_size = config.split_kv_threshold, config.split_size
-        self.model = Model(cfg, weights, split_size=self.split_size, deterministic=config.deterministic, tp=tp,
+        self.model = model_class(cfg, weights, split_size=self.split_size, deterministic=config.deterministic, tp=tp,
                            fa3_prefill=config.attention_backend == "fa3")
         # Deterministic decodes take the single-pass kernel, so there are no splits to share.
         self.cascade = config.cascade_attention and not config.deterministic
