@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import uvicorn
 
+from chunkwise.cli_parser import ArgumentParser
 from chunkwise.engine_config import ATTENTION_BACKENDS, DTYPES
 from chunkwise.serve.app import ServerState, build_app
 from chunkwise.serve.engine_core import EngineCore, EngineStartError, settled_heap
@@ -29,8 +30,8 @@ GRACEFUL_SHUTDOWN_S = 10   # after the aborts, how long open connections may tak
 KEEP_ALIVE_S = 15
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def parser() -> ArgumentParser:
+    p = ArgumentParser(
         prog="python -m chunkwise serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example:\n  python -m chunkwise serve --model tiny-qwen3 --port 8000\n"
                "  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\\n"
