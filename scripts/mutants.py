@@ -104,6 +104,8 @@ SELECTION = [
     "tests/test_layers.py",
     "tests/test_engine_config.py",
     "tests/test_readme.py::test_python_block_uses_only_names_it_or_its_section_defines",   # cheap: no block runs
+    "tests/test_bench_host.py",                                                # the benchmarks' CPU tier, seconds
+    "tests/test_cli.py::test_a_bad_argument_is_one_line_naming_it_and_exit_status_1",   # no model runs
 ]
 SMOKE_MARKER = "smoke"   # conftest.py runs these first in any selection
 DEFAULT_TIMEOUT = 900   # seconds per mutant: more than the whole selection takes unmutated on 2 cores
@@ -1036,6 +1038,34 @@ MUTANTS = [
            "the chat text after each chunk part starts one character past its placeholder: the token the template "
            "writes right after a chunk (its end-of-turn) is dropped or changed, so the spliced prompt is one token off "
            "the conversation's"),
+    # ---- h47cpu (issue 47): the benchmarks' CPU tier through Engine.model_class, and the CLI's one-line usage errors
+    # (killed by tests/test_bench_host.py and tests/test_cli.py)
+    Mutant("stand_in_forward_without_tail", "chunkwise/engine/stand_in_model.py::HashLogitsModel.forward",
+           "                tail: Callable[[LayerState], torch.Tensor | None] | None = None) -> torch.Tensor:\n",
+           "                ) -> torch.Tensor:\n",
+           "the stand-in forward keeps an older signature than Model.forward (no tail=): every host-only step fails "
+           "with a TypeError, as bench_host.py's lambda did"),
+    Mutant("bench_loop_misses_failed_steps", "benchmarks/bench_host.py::checked",
+           '    failed = [o for o in outputs if o.finish_reason == "error"]',
+           '    failed = [o for o in outputs if o.finish_reason == "failed"]',
+           "the benchmark's step check looks for the wrong finish reason, so a step that fails every request passes "
+           "and the prefill loop spins to its cap"),
+    Mutant("bench_loop_one_step_past_its_cap", "benchmarks/bench_host.py::step_until",
+           "    for _ in range(max_steps):\n",
+           "    for _ in range(max_steps + 1):\n",
+           "the benchmark's bounded loop takes one step more than its cap says"),
+    Mutant("engine_ignores_its_model_class", "chunkwise/engine/llm_engine.py::Engine.__init__",
+           "        self.executor = executor(config, self.model_class)",
+           "        self.executor = executor(config)",
+           "Engine.model_class is never passed to the executor: a host-only engine runs the real model's forward"),
+    Mutant("usage_error_exits_2", "chunkwise/cli_parser.py::<module>",
+           "USAGE_ERROR_STATUS = 1",
+           "USAGE_ERROR_STATUS = 2",
+           "a bad command-line argument exits with argparse's status 2, where README promises 1 for every CLI error"),
+    Mutant("serve_parser_is_argparses_own", "chunkwise/serve/cli.py::parser",
+           "    p = ArgumentParser(",
+           "    p = argparse.ArgumentParser(",
+           "serve's parser is argparse's own: a bad serve argument prints the usage block and exits 2"),
 ]
 
 
