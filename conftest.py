@@ -79,6 +79,8 @@ SMOKE = (
     "tests/test_cli.py::test_serve_passes_every_engine_option_under_its_engine_config_name",
     "tests/test_cli.py::test_serve_passes_only_the_engine_options_given_its_serving_defaults_and_the_server_options",
     "tests/test_cli.py::test_a_bad_argument_is_one_line_naming_it_and_exit_status_1",
+    # the benchmarks' CPU tier on tiny counts (a stand-in forward: no kernel runs), seconds
+    "tests/test_bench_host.py",
     "tests/test_text.py::test_a_text_prompt_is_the_tokenizers_own_ids_with_the_special_tokens_it_adds",
     "tests/test_text.py::test_a_text_piece_or_chunk_is_the_tokenizers_ids_without_special_tokens",
     "tests/test_limits.py::test_the_kv_pool_of_every_dtype_holds_the_pages_its_memory_holds_and_refuses_one_more",
