@@ -20,7 +20,7 @@ from chunkwise.model_config import ModelConfig
 from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE
 from chunkwise.engine.kv_cache import LayerCaches
 from chunkwise.engine.model import LayerState, StepInputs
-from chunkwise.engine.parallel.tensor_parallel import TensorParallel
+from chunkwise.engine.distributed.tensor_parallel import TensorParallel
 
 _MOD = 65521                     # a prime: every residue of a row's key gives a different argmax column
 _ROW, _COLUMN = 40503, 2654435 % _MOD
