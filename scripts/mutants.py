@@ -916,6 +916,17 @@ MUTANTS = [
            'fa3_prefill=config.attention_backend == "fa3")',
            "fa3_prefill=False)",
            "attention_backend='fa3' is validated but never reaches the model: every step takes chunkwise's kernel"),
+    # ---- h48blend: row plans (chunkwise/engine/row_plan.py) and the blend package that makes them (issue 48 part 5)
+    Mutant("row_plan_check_layer_keeps_no_fixed_rows", "chunkwise/engine/row_plan.py",
+           "            keep = (plan.num_fixed + plan.keep[plan.check_layers.index(layer)]\n",
+           "            keep = (plan.keep[plan.check_layers.index(layer)]\n",
+           "a check layer's keep count leaves out the plan's fixed rows: each blended prefill drops as many of its "
+           "most deviating candidates as it has fixed rows, and a prefill of only fixed rows keeps none"),
+    Mutant("blender_never_marks_blended_kv_approximate", "chunkwise/engine/blend/blender.py",
+           "        return None if record is None or seq.num_preemptions else record.job.start\n",
+           "        return None\n",
+           "the blend package's record no longer tells the scheduler where a blended sequence's K/V stop being "
+           "exact, so its approximate pages enter the prefix cache and serve later exact requests"),
 ]
 
 
