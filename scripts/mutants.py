@@ -54,6 +54,7 @@ SELECTION = [
     "tests/test_parity.py",
     "tests/test_page_pool.py",
     "tests/test_chunks.py",
+    "tests/test_row_plan.py",
     "tests/test_blend.py",
     "tests/test_blend_reference.py",
     "tests/test_page_tables.py",

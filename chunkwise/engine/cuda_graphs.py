@@ -92,7 +92,7 @@ class StepGraphs:
         self.rows = 0   # the largest decode bucket
         self.mixed_keys: set[tuple[int, int]] = set()   # (prefill rows, decode rows) of the mixed graphs
         self.budget = 0   # the most tokens of a step that a mixed graph holds
-        # Blended prefills' tail graphs (module docstring): (first layer, rows) -> graph, its static state, logits.
+        # Row-planned steps' tail graphs (module docstring): (first layer, rows) -> graph, its static state, logits.
         self.tails: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, LayerState, torch.Tensor]] = {}
         self.tail_rows = 0   # the most rows a tail graph holds; 0: none (set when the graphs are captured)
         self.tail_pool = None
