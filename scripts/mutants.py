@@ -77,6 +77,7 @@ SELECTION = [
     "tests/test_parity.py",
     "tests/test_page_pool.py",
     "tests/test_chunks.py",
+    "tests/test_row_plan.py",
     "tests/test_blend.py",
     "tests/test_blend_reference.py",
     "tests/test_page_tables.py",
@@ -368,7 +369,7 @@ MUTANTS = [
            '    tl.store(k_cache_ptr + dst_off + HALF, cast(x2 * cos - x1 * sin, dtype), mask=ok)\n',
            'relocating K to new positions rotates it by -delta instead of delta'),
     # Blend mode (chunkwise/engine/blend.py and its place in the step)
-    Mutant('blend_rerotates_chunks_by_their_start_minus_one', 'chunkwise/engine/blend.py::plan_blend',
+    Mutant('blend_rerotates_chunks_by_their_start_minus_one', 'chunkwise/engine/blend/planning.py::plan_blend',
            '        delta[idx] = first\n',
            '        delta[idx] = first - 1\n',
            "a placed chunk's K are rotated to one position before their new one"),
@@ -377,18 +378,18 @@ MUTANTS = [
            '                            positions=None,',
            "a blended prefill's kept rows attend as if they were its last rows (positions past their own)"),
     Mutant('blended_pages_enter_the_prefix_cache', 'chunkwise/engine/scheduler.py::Scheduler.postprocess',
-           '                self.page_pool.commit(seq, end if seq.blended_from is None else min(end, seq.blended_from))',
+           '                self.page_pool.commit(seq, end if approx is None else min(end, approx))',
            '                self.page_pool.commit(seq, end)',
            "a blended request's approximate pages are cached and served to later exact requests"),
-    Mutant('check_layers_keep_the_least_deviating_candidates', 'chunkwise/engine/blend.py::select_rows',
+    Mutant('check_layers_keep_the_least_deviating_candidates', 'chunkwise/engine/row_plan.py::select_rows',
            '            order = torch.sort(score[first:first + rows], descending=True, stable=True).indices[:keep]',
            '            order = torch.sort(torch.where(score.isinf(), score, -score)[first:first + rows], descending=True,'
            ' stable=True).indices[:keep]',
            'kv-deviation keeps the candidates whose K/V deviate least (fixed rows still kept)'),
     Mutant('blend_fills_pending_tokens_at_their_rows_after_the_check_layers',
            'chunkwise/engine/model_runner.py::ModelRunner.prepare',
-           '                        pending=(ends - 1)[pending], pending_src=src, blend=blend,',
-           '                        pending=(final - 1)[pending], pending_src=src, blend=blend,',
+           '                        pending=(ends - 1)[pending], pending_src=src, row_plan=plan,',
+           '                        pending=(final - 1)[pending], pending_src=src, row_plan=plan,',
            "a decode's pending token is written at its row after the blend's check layers, not at its input row"),
     Mutant('relocate_layers_taken_in_grid_order', 'chunkwise/kernels/relocate.py::_relocate_kernel',
            '        base = tl.load(layers_ptr + tl.program_id(1)) * layer_stride',
@@ -402,7 +403,7 @@ MUTANTS = [
            '        for a, b, pad in ((state.h, static.h, 0), (state.residual, static.residual, 0),\n',
            '        for a, b, pad in ((state.h, static.h, 0),\n',
            "a tail graph's residual stream is never staged: its layers add to the last step's residual (or zeros)"),
-    Mutant('chunk_heads_counts_heads_from_the_exact_prefix', 'chunkwise/engine/blend.py::plan_blend',
+    Mutant('chunk_heads_counts_heads_from_the_exact_prefix', 'chunkwise/engine/blend/planning.py::plan_blend',
            '        head[idx] = off[inside] < math.floor(params.recompute_ratio * p.num_tokens + 0.5)\n',
            '        head[idx] = pos[inside] - start < math.floor(params.recompute_ratio * p.num_tokens + 0.5)\n',
            "chunk-heads recomputes the prompt's first tokens after the exact prefix, not each chunk's first tokens"),
@@ -539,8 +540,8 @@ MUTANTS = [
            "            return self._fail(batch, exc)\n",
            "a step that fails to launch drops the step in flight instead of postprocessing it"),
     Mutant("overlap_caches_pages_of_the_step_in_flight", "chunkwise/engine/scheduler.py::Scheduler.postprocess",
-           "                self.page_pool.commit(seq, end if seq.blended_from is None else min(end, seq.blended_from))\n",
-           "                self.page_pool.commit(seq, None if seq.blended_from is None else min(end, seq.blended_from))\n",
+           "                self.page_pool.commit(seq, end if approx is None else min(end, approx))\n",
+           "                self.page_pool.commit(seq, None if approx is None else min(end, approx))\n",
            "postprocess caches pages up to the tokens computed by the step in flight, whose last token is unknown"),
     Mutant("overlap_decodes_past_max_tokens", "chunkwise/engine/scheduler.py::Scheduler.schedule",
            "        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1 and not s.pending_is_last]:\n",
@@ -806,7 +807,7 @@ MUTANTS = [
     # ---- a third unplanted sample (2026-11-25, written by a helper who had not seen the tests, against the
     # suite after the second sample's tests): the suite killed 7 of 10; a transformers-4 Gemma 3 config's RoPE,
     # the server's top_k=-1 and the CLI's prefix report then got tests, and a pinned blend example ends on a chunk.
-    Mutant('blend_prompts_last_token_taken_as_a_candidate', 'chunkwise/engine/blend.py::plan_blend',
+    Mutant('blend_prompts_last_token_taken_as_a_candidate', 'chunkwise/engine/blend/planning.py::plan_blend',
            '        inside = (pos >= start) & (pos < total - 1)\n',
            "        inside = (pos >= start) & (pos < total)   # the chunk's stored tokens within this prefill's rows\n",
            "plan_blend lets the prompt's last token be a candidate when the prompt ends on a chunk's full page, so under chunk-heads (or kv-deviation's filtering) the row whose logits give the first token may not be computed: the first generated token comes from a reused, uncomputed row"),
@@ -1066,6 +1067,17 @@ MUTANTS = [
            "    p = ArgumentParser(",
            "    p = argparse.ArgumentParser(",
            "serve's parser is argparse's own: a bad serve argument prints the usage block and exits 2"),
+    # ---- merged from h48blend ----
+    Mutant("row_plan_check_layer_keeps_no_fixed_rows", "chunkwise/engine/row_plan.py::step_rows",
+           "            keep = (plan.num_fixed + plan.keep[plan.check_layers.index(layer)]\n",
+           "            keep = (plan.keep[plan.check_layers.index(layer)]\n",
+           "a check layer's keep count leaves out the plan's fixed rows: each blended prefill drops as many of its "
+           "most deviating candidates as it has fixed rows, and a prefill of only fixed rows keeps none"),
+    Mutant("blender_never_marks_blended_kv_approximate", "chunkwise/engine/blend/blender.py::Blender.approximate_from",
+           "        return None if record is None or seq.num_preemptions else record.job.start\n",
+           "        return None\n",
+           "the blend package's record no longer tells the scheduler where a blended sequence's K/V stop being "
+           "exact, so its approximate pages enter the prefix cache and serve later exact requests"),
 ]
 
 

@@ -37,7 +37,7 @@ from chunkwise.open_config import open_config
 from chunkwise.requests import single_prompt, validate_requests
 from chunkwise.sampling import RequestOutput, SamplingParams
 from chunkwise.tokenizer import TextStream, decode, load_tokenizer
-from chunkwise.engine.blend import HostBlend, blend_report
+from chunkwise.engine.blend import Blender
 from chunkwise.engine.host_step import Launched
 from chunkwise.engine.model import Model
 from chunkwise.engine.page_pool import PagePool
@@ -105,7 +105,8 @@ class Engine:
         executor = Executor if config.tensor_parallel_size == 1 else MultiprocExecutor
         self.executor = executor(config, self.model_class)
         self.page_pool = PagePool(self.executor.num_pages, config.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.page_pool, self.model_config.eos_token_ids)
+        self.blender = Blender(self.model_config.num_layers)   # blended prefills' plans and reports
+        self.scheduler = Scheduler(config, self.page_pool, self.model_config.eos_token_ids, row_planner=self.blender)
         self.chunks = ChunkRegistry("chunkwise.Engine")       # registered chunks, and the pages of pinned ones
         self._claims: dict[int, list[StepOutput]] = {}       # outputs collected by a generate/prefill_kv call
         self._backlog: list[StepOutput] = []                 # streamed requests' outputs made inside those calls
@@ -200,7 +201,8 @@ class Engine:
         return RequestOutput(seq.seq_id, list(seq.prompt_token_ids), token_ids=seq.completion_token_ids,
                              text=decode(self.tokenizer, seq.completion_token_ids), logprobs=seq.logprobs,
                              finish_reason=reason, num_cached_tokens=seq.num_cached_tokens, error=seq.error,
-                             chunk_reuse=seq.chunk_reuse or reuse_report(seq.pieces, seq.num_cached_tokens))
+                             chunk_reuse=self.blender.pop_report(seq.seq_id)
+                             or reuse_report(seq.pieces, seq.num_cached_tokens))
 
     # ---- chunks ------------------------------------------------------------------------------------
     def register_chunk(self, prompt, pin: bool = False) -> Chunk:
@@ -318,8 +320,8 @@ class Engine:
         if exc is not None:   # contained as in `_step`
             return self._fail(batch, exc)
         tokens, logprobs = result
-        if launched.blend is not None:
-            self._report_blend(batch, *launched.blend)
+        if launched.row_plan is not None:   # its row plans' reports (a blend's chunk_reuse)
+            self.blender.report(*launched.row_plan)
         sampled = [s for s in launched.seqs if s.seq_id in tokens]   # those that ended since are skipped
         finished = {s.seq_id for s in self.scheduler.postprocess(batch, tokens)}
         results = []
@@ -332,13 +334,6 @@ class Engine:
             out = self._finish(seq, seq.finish_reason) if rid in finished else None
             results.append(StepOutput(rid, [tokens[rid]], lp, out.finish_reason if out else None, out))
         return results
-
-    def _report_blend(self, batch: ScheduledBatch, blend: HostBlend, kept: torch.Tensor) -> None:
-        """Each blended prefill's ChunkReuse, from the rows its step computed at the last layer."""
-        kept = kept.cpu().numpy()
-        seqs = {s.seq_id: s for s in batch.seqs}
-        for seq_id, job, first in blend.jobs:
-            seqs[seq_id].chunk_reuse = blend_report(job, seqs[seq_id].pieces, first, kept)
 
     def _drain(self) -> list[StepOutput]:
         """Postprocess the step in flight, if any."""
