@@ -11,6 +11,8 @@ from chunkwise.engine.model import Model
 from chunkwise.engine.stand_in_model import HashLogitsModel
 
 NUM_SEQS, PROMPT_LEN, BUDGET = 4, 10, 16   # the prompts take three steps of the budget
+# The harness's logic, on the host wherever the suite runs: on a GPU machine a module's engine may hold the memory.
+DEVICE = "cpu"
 
 
 def test_the_stand_in_has_the_models_constructor_and_forward_signatures():
@@ -20,7 +22,7 @@ def test_the_stand_in_has_the_models_constructor_and_forward_signatures():
 
 def decoded(sampling: str, steps: int) -> list[list[int]]:
     """Each sequence's tokens after prefilling and `steps` decode steps, each of which decodes every sequence."""
-    eng = host_only_engine(NUM_SEQS, max_num_batched_tokens=BUDGET)
+    eng = host_only_engine(NUM_SEQS, max_num_batched_tokens=BUDGET, device=DEVICE)
     assert isinstance(eng.executor.runner.model, HashLogitsModel)
     submit(eng, decode_params(sampling, PROMPT_LEN), NUM_SEQS, PROMPT_LEN)
     tokens = {o.request_id: list(o.new_token_ids) for o in prefill_all(eng, NUM_SEQS, PROMPT_LEN)}
@@ -50,14 +52,15 @@ class FailingEngine(HostOnlyEngine):
 
 
 def test_a_step_that_fails_its_requests_fails_the_loop_naming_the_error():
-    eng = FailingEngine("tiny-qwen3", max_model_len=MAX_MODEL_LEN, max_num_seqs=NUM_SEQS, max_num_batched_tokens=BUDGET)
+    eng = FailingEngine("tiny-qwen3", max_model_len=MAX_MODEL_LEN, max_num_seqs=NUM_SEQS, max_num_batched_tokens=BUDGET,
+                        device=DEVICE)
     submit(eng, decode_params("greedy", PROMPT_LEN), NUM_SEQS, PROMPT_LEN)
     with pytest.raises(AssertionError, match=r"a step failed requests \[0, 1.*RuntimeError.*the forward broke"):
         prefill_all(eng, NUM_SEQS, PROMPT_LEN)
 
 
 def test_a_loop_that_never_gets_there_stops_at_its_step_cap():
-    eng = host_only_engine(NUM_SEQS, max_num_batched_tokens=BUDGET)
+    eng = host_only_engine(NUM_SEQS, max_num_batched_tokens=BUDGET, device=DEVICE)
     submit(eng, decode_params("greedy", PROMPT_LEN), NUM_SEQS, PROMPT_LEN)
     seen = []
     with pytest.raises(AssertionError, match=r"not done after 5 steps \(waiting: 0, running: 4\)"):
@@ -68,10 +71,10 @@ def test_a_loop_that_never_gets_there_stops_at_its_step_cap():
 def test_the_prefill_loop_allows_twice_the_budgets_steps_plus_one():
     """A prompt computed one token a step is prefilled in its 8th step, within the cap; three prompts of which the
     engine runs two at once never all decode together, and the loop stops at 2 * ceil(30 / 16) + 1 steps."""
-    eng = host_only_engine(1, max_num_batched_tokens=1)
+    eng = host_only_engine(1, max_num_batched_tokens=1, device=DEVICE)
     submit(eng, decode_params("greedy", 8), 1, 8)
     assert len(prefill_all(eng, 1, 8)) == 1
-    eng = host_only_engine(2, max_num_batched_tokens=BUDGET)
+    eng = host_only_engine(2, max_num_batched_tokens=BUDGET, device=DEVICE)
     submit(eng, decode_params("greedy", PROMPT_LEN), 3, PROMPT_LEN)
     with pytest.raises(AssertionError, match=r"not done after 5 steps \(waiting: 1, running: 2\)"):
         prefill_all(eng, 3, PROMPT_LEN)
