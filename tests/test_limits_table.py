@@ -298,9 +298,11 @@ def through_cli(ckpt, name: str, v) -> None:
 # ---- every row, every entry point, both sides -----------------------------------------------------------------------
 
 # The cheapest entry points first, so that under -x a moved bound fails in seconds: the reference (the shared
-# validators), the server (its own checks, the pin cap), register_chunk, the optimized engine, the CLI.
+# validators), the server (its own checks first, then the pin cap), register_chunk, the optimized engine, the CLI.
 ORDER = ("reference", "server", "register_chunk", "engine", "cli")
-CASES = sorted(((name, entry) for name, spec in SPEC.items() for entry in spec[5]), key=lambda c: ORDER.index(c[1]))
+CASES = sorted(((name, entry) for name, spec in SPEC.items() for entry in spec[5]),
+               key=lambda c: (ORDER.index(c[1]), ("server", "chunk").index(SPEC[c[0]][4]) if SPEC[c[0]][4] in
+                              ("server", "chunk") else 2))
 
 
 @pytest.mark.parametrize("name, entry", CASES, ids=[f"{n}-{e}" for n, e in CASES])
