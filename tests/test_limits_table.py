@@ -348,7 +348,7 @@ VALIDATORS = ["chunkwise/requests.py", "chunkwise/sampling.py", "chunkwise/token
 # In the engines' own modules only their validators (the rest is the engine at work, not a check of input).
 VALIDATING_FUNCTIONS = {"chunkwise/reference/engine.py": {"__init__", "register_chunk", "unpin"},
                         "chunkwise/engine/llm_engine.py": {"__init__", "register_chunk", "_check_pin_cap", "unpin",
-                                                           "add_request", "check_blend"}}
+                                                           "add_request"}}
 NOT_LIMITS = {
     ("chunkwise/sampling.py", "sampling_probs", "params.top_p < 1.0"): "sampling: whether top-p cuts at all",
     ("chunkwise/sampling.py", "sampling_probs", "torch.softmax(sorted_logits, dim=-1).cumsum(-1) <= 1 - params.top_p"):
@@ -366,8 +366,6 @@ NOT_LIMITS = {
         "the machine's devices, not a declared bound; needs CUDA to test",
     ("chunkwise/serve/protocol.py", "body", "self.status >= 500"): "an error's type from its status",
     ("chunkwise/serve/cli.py", "serving", "time.monotonic() > deadline"): "a start-up timeout",
-    ("chunkwise/engine/llm_engine.py", "check_blend", "config.tensor_parallel_size > 1"):
-        "a feature refused by name with tensor parallelism, not a bound",
 }
 ORDERING = (ast.Lt, ast.LtE, ast.Gt, ast.GtE)
 
