@@ -1,5 +1,6 @@
 """Shared pytest set-up: the device, Triton's interpreter on CPU, Hypothesis profiles, the `gpu` marker,
-and benchmarks/ running only under `--benchmark-only` (or `--benchmark-enable`)."""
+and benchmarks/ running only under `--benchmark-only` (or `--benchmark-enable`, or `--benchmark-disable`: each
+benchmark's body once, untimed, as CI runs the CPU tier)."""
 import os
 
 import torch
@@ -27,7 +28,7 @@ def device() -> torch.device:
 
 
 def _benchmarks_wanted(config) -> bool:
-    return bool(config.getoption("benchmark_only", False) or config.getoption("benchmark_enable", False))
+    return any(config.getoption(name, False) for name in ("benchmark_only", "benchmark_enable", "benchmark_disable"))
 
 
 def _deselect(config, items, drop) -> int:
@@ -52,12 +53,16 @@ SMOKE = (
     "tests/test_kernels_relocate.py::test_relocating_a_rotated_key_by_delta_rotates_it_to_its_new_position",
     "tests/test_kernels_positions.py::test_explicit_positions_match_reference_and_the_implicit_pass_bitwise_in_pinned_cases",
     "tests/test_blend.py::test_a_token_not_recomputed_carries_its_chunks_own_kv_with_k_rotated_to_its_new_position",
+    # the README's Python blocks define every name they use (parsed, not run: milliseconds)
+    "tests/test_readme.py::test_python_block_uses_only_names_it_or_its_section_defines",
     # whole files of unit tests against outside oracles (transformers' configs, warpers and models), milliseconds each
     "tests/test_config.py",
     "tests/test_sampling.py",
     "tests/test_checkpoints.py",
     "tests/test_reference_engine.py",
     "tests/test_reference_vs_hf.py",
+    "tests/test_layers.py",   # the import graph against docs/ARCHITECTURE.md's layers: no engine runs
+    "tests/test_engine_config.py",   # a config is a description; opening it builds the checkpoint
     "tests/test_cli.py::test_a_reference_output_that_is_a_strict_prefix_is_reported_different",
     "tests/test_serve.py::test_top_k_minus_one_and_zero_keep_every_token",
     # every request field the server parses, every EngineConfig limit, every CLI option: no model runs, milliseconds
@@ -75,6 +80,9 @@ SMOKE = (
     "tests/test_cli.py::test_each_sampling_option_reaches_both_engines_params",
     "tests/test_cli.py::test_serve_passes_every_engine_option_under_its_engine_config_name",
     "tests/test_cli.py::test_serve_passes_only_the_engine_options_given_its_serving_defaults_and_the_server_options",
+    "tests/test_cli.py::test_a_bad_argument_is_one_line_naming_it_and_exit_status_1",
+    # the benchmarks' CPU tier on tiny counts (a stand-in forward: no kernel runs), seconds
+    "tests/test_bench_host.py",
     "tests/test_text.py::test_a_text_prompt_is_the_tokenizers_own_ids_with_the_special_tokens_it_adds",
     "tests/test_text.py::test_a_text_piece_or_chunk_is_the_tokenizers_ids_without_special_tokens",
     "tests/test_limits.py::test_the_kv_pool_of_every_dtype_holds_the_pages_its_memory_holds_and_refuses_one_more",
@@ -96,8 +104,10 @@ SMOKE = (
     "tests/test_serve.py::test_chat_logprobs_without_top_logprobs_hold_each_tokens_own_and_no_top_list",
     "tests/test_serve.py::test_a_stop_string_alone_is_a_list_of_one_and_held_back_text_is_sent_when_the_request_ends",
     "tests/test_serve.py::test_temperature_defaults_to_one_and_top_k_and_top_p_reach_the_sampler",
+    "tests/test_serve_chat_chunks.py::test_a_chunk_whose_edges_the_tokenizer_splits_anyway_gives_the_inlined_conversations_ids",
     "tests/test_page_pool.py",
-    "tests/test_chunks.py::test_pieces_are_prefill_chunks_unless_chunk_sizes_are_given",
+    "tests/test_chunks.py::test_pieces_do_not_set_chunk_sizes_but_explicit_chunk_sizes_win",
+    "tests/test_chunks.py::test_a_composite_whose_leading_chunk_is_cached_starts_where_the_cache_ends",
     "tests/test_chunks.py::test_a_pinned_system_chunk_is_reused_exactly_after_pressure_and_a_document_after_it",
     "tests/test_chunks.py::test_the_pin_cap_counts_pages_once_and_a_pin_leaving_a_queued_request_no_room_is_refused",
     "tests/test_blend.py::test_blended_kv_and_tokens_equal_the_reference_engines_blend",

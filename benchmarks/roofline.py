@@ -91,3 +91,17 @@ def workload_roofline(cost: ModelCost, prompt_lens, output_lens, c: Ceilings) ->
         kv_bytes += nbytes - cost.weight_bytes
     return dict(seconds=prefill + decode, prefill_s=prefill, decode_s=decode, decode_steps=steps,
                 kv_read_tb=kv_bytes / 1e12, tokens_per_s=int(o.sum()) / (prefill + decode))
+
+
+def layered_prefill(cost: ModelCost, num_layers: int, rows_per_layer, mean_keys: float, moved_tokens: int,
+                    c: Ceilings) -> dict:
+    """The floor of one prefill step that computes rows_per_layer[l] rows at layer l, each attending to about
+    `mean_keys` keys, after moving `moved_tokens` tokens' K/V (every layer) from one slot to another: the layers' FLOPs
+    at the matmul rate, but no faster than one read of the weights, then the moves at the copy rate (read + write).
+    A row dropped at a layer costs nothing there, so a blend's roofline counts each layer at its kept share."""
+    rows = float(np.sum(rows_per_layer))
+    flops = (2 * cost.linear_params * rows + cost.attn_flops_per_key * mean_keys * rows) / num_layers \
+        + 2 * cost.lm_head_params
+    compute = max(flops / c.matmul_flops_per_s, cost.weight_bytes / c.copy_bytes_per_s)
+    move = 2 * moved_tokens * cost.kv_bytes_per_token / c.copy_bytes_per_s
+    return dict(seconds=compute + move, compute_s=compute, move_s=move, flops=flops)

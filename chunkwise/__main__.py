@@ -1,6 +1,6 @@
 """Generate on a checkpoint through chunkwise.Engine and print it beside chunkwise.reference.Engine's output.
 
-Errors are one line on stderr and a non-zero exit status (--traceback shows the whole trace).
+Errors, a bad argument's too, are one line on stderr and exit status 1 (--traceback shows the whole trace).
 `python -m chunkwise serve --model M` runs the OpenAI-compatible HTTP server instead (`serve --help`).
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from chunkwise.checkpoints import REAL_NAMES, TINY_NAMES
+from chunkwise.cli_parser import ArgumentParser
 from chunkwise.engine_config import DTYPES
 from chunkwise.sampling import SamplingParams
 
@@ -31,8 +32,8 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def parser() -> ArgumentParser:
+    p = ArgumentParser(
         prog="python -m chunkwise", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  python -m chunkwise\n  python -m chunkwise --model tiny-qwen3 --prompt-ids 5,6,7\n"
                "  python -m chunkwise --model gemma3-270m --prompt 'The three primary colors are'\n"

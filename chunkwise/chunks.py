@@ -2,10 +2,11 @@
 
 A `Chunk` is a frozen handle to token ids registered with one engine (`Engine.register_chunk`). A composite
 prompt is a `Chunk` or a list holding at least one `Chunk`, mixed with strings and lists of token ids (its
-*pieces*); it stands for the concatenation of its pieces' ids, and each piece becomes one prefill chunk
-(docs/ARCHITECTURE.md, lesson 1: a chunk's K/V are exact only at its global positions, after everything
-before it). Text pieces are tokenized without special tokens, so the ids are exactly the pieces' ids side by
-side; a BOS or chat-template ids go in an id piece or a chunk of their own.
+*pieces*); it stands for the concatenation of its pieces' ids, and is prefilled in the steps the token budget
+gives the plain prompt of those ids (docs/ARCHITECTURE.md, lesson 1: a chunk's K/V are exact only at its global
+positions, after everything before it, however the steps cut it). Piece boundaries matter to the prefix cache
+and to the per-piece report, not to the steps. Text pieces are tokenized without special tokens, so the ids are
+exactly the pieces' ids side by side; a BOS or chat-template ids go in an id piece or a chunk of their own.
 
 `reuse` says how a request may reuse cached K/V: "exact" (the default; only through the prefix cache, so the
 output equals generating the concatenated ids), or "blend" (== `Blend()`) or a `Blend`: CacheBlend-style

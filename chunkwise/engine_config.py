@@ -1,12 +1,15 @@
 """EngineConfig: every engine argument in one frozen dataclass, validated once.
 
 Both engines build it from `Engine(model, **kwargs)`; an unknown keyword is a TypeError naming it (the
-dataclass's own), a bad value a ValueError naming the field and the value. The optimized engine hands the
-same object to its runner, scheduler and page pool; the reference engine validates the same fields and
-ignores the paging ones (`REFERENCE_IGNORED`).
+dataclass's own), a bad value a ValueError naming the field and the value. Building one is a description
+only: it opens no file, converts no checkpoint and imports no kernel. The engines' constructors then open it
+(`chunkwise.open_config`: the checkpoint, and the checks that depend on the model or the kernels). The
+optimized engine hands the opened config to its runner, scheduler and page pool; the reference engine
+validates the same fields and ignores the paging ones (`REFERENCE_IGNORED`).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -14,9 +17,6 @@ from pathlib import Path
 
 import torch
 
-from chunkwise.checkpoints import resolve_model
-from chunkwise.kernels.fa3 import fa3_unavailable
-from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE, split_tile_config
 from chunkwise.limits import LIMIT
 from chunkwise.model_config import ModelConfig
 from chunkwise.tokenizer import is_int
@@ -52,8 +52,9 @@ def _bounded_number(name: str, value) -> None:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine arguments. After construction `dtype` is a torch.dtype, `device` a torch.device,
-    `max_model_len` an int, and `path` / `model_config` describe the opened checkpoint."""
+    """Engine arguments. After construction `dtype` is a torch.dtype and `device` a torch.device; `path` and
+    `model_config` are None, and `max_model_len` and `split_size` may be, until `opened` binds the checkpoint
+    (`chunkwise.open_config.open_config`, in both engines' constructors)."""
     model: str | os.PathLike
     dtype: str | torch.dtype = "float32"
     device: str | torch.device | None = None
@@ -82,11 +83,11 @@ class EngineConfig:
                                              # deterministic=True). Decodes and blends keep chunkwise's kernels.
     tensor_parallel_size: int = 1            # ranks (one process and device each) sharding the model, Megatron-style
     custom_all_reduce: bool = False          # tensor parallel on GPUs: small all-reduces through peer memory, not
-                                             # NCCL (opt-in: README, Several GPUs)
+                                             # NCCL (opt-in: docs/ENGINE.md, Several GPUs)
     async_scheduling: bool | None = None     # overlap: prepare step k+1 while the device runs step k; None: on
                                              # with CUDA (on CPU the host is the device: nothing to overlap)
-    path: Path = field(init=False, repr=False)                 # the checkpoint directory
-    model_config: ModelConfig = field(init=False, repr=False)
+    path: Path | None = field(default=None, init=False, repr=False)                 # the checkpoint directory
+    model_config: ModelConfig | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         set_ = object.__setattr__.__get__(self)
@@ -109,30 +110,19 @@ class EngineConfig:
         _bounded_int("max_graph_tokens", self.max_graph_tokens)
         if self.split_kv_threshold is not None:
             _bounded_int("split_kv_threshold", self.split_kv_threshold)
-        path = resolve_model(self.model)
-        model_config = ModelConfig.from_dir(path)
-        limit = model_config.max_position_embeddings
-        max_len = limit if self.max_model_len is None else self.max_model_len
-        bound = LIMIT["max_model_len"]
-        if not is_int(max_len) or not bound.admits(max_len, max_position_embeddings=limit):
-            raise ValueError(f"max_model_len must be an integer in {bound.interval(max_position_embeddings=limit)} "
-                             f"(max_position_embeddings), got {max_len!r}")
-        set_("max_model_len", int(max_len))
-        set_("path", path)
-        set_("model_config", model_config)
         _check_tensor_parallel(self)
         _check_attention_backend(self)
         if self.split_kv_threshold is None:
             set_("split_kv_threshold", 0 if self.device.type == "cuda" else CPU_SPLIT_KV_THRESHOLD)
-        split_size = DEFAULT_SPLIT_SIZE if self.split_size is None else self.split_size
-        block_n = split_tile_config(model_config.head_dim, 1)[1]   # the tile's keys depend on head_dim alone
-        if not is_int(split_size) or not LIMIT["split_size"].admits(split_size, split_tile=block_n) \
-                or split_size % block_n:
-            raise ValueError(f"split_size must be a multiple of {block_n} (the split-KV tile for head_dim "
-                             f"{model_config.head_dim}), got {split_size}")
-        set_("split_size", split_size)
         if self.async_scheduling is None:
             set_("async_scheduling", self.device.type == "cuda")
+
+    def opened(self, path: Path, model_config: ModelConfig, max_model_len: int, split_size: int) -> EngineConfig:
+        """This description bound to its checkpoint, with the values `open_config` resolved and checked."""
+        config = dataclasses.replace(self, max_model_len=max_model_len, split_size=split_size)
+        object.__setattr__(config, "path", path)
+        object.__setattr__(config, "model_config", model_config)
+        return config
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -140,22 +130,11 @@ class EngineConfig:
 
 
 def _check_tensor_parallel(config: EngineConfig) -> None:
-    """Refuses a tensor_parallel_size the model's shape or the machine cannot split into equal shards.
-
-    Each rank takes num_heads / N query heads, intermediate_size / N of the MLP and a slice of the vocabulary
-    (any size: the last slices are padded). KV heads are split when N divides their number, and replicated
-    when their number divides N (rank r holds KV head r * num_kv_heads // N), so a rank's query heads all
-    read one of its KV heads."""
-    n, cfg = config.tensor_parallel_size, config.model_config
+    """Refuses a tensor_parallel_size the machine cannot run (the model's shape is checked by `open_config`)."""
+    n = config.tensor_parallel_size
     _bounded_int("tensor_parallel_size", n)
     if n == 1:
         return
-    for field_name, value in (("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size)):
-        if value % n:
-            raise ValueError(f"tensor_parallel_size={n} does not divide the model's {field_name}={value}")
-    if cfg.num_kv_heads % n and n % cfg.num_kv_heads:
-        raise ValueError(f"tensor_parallel_size={n} and the model's num_key_value_heads={cfg.num_kv_heads}: "
-                         f"one must divide the other (KV heads are split or replicated across ranks)")
     if config.deterministic and not LIMIT["deterministic_tensor_parallel_size"].admits(n):
         # Two ranks sum each element once (a + b, the same bits on both and for any message size); with
         # more, the collective's reduction order depends on the message size, i.e. on the batch.
@@ -169,8 +148,8 @@ def _check_tensor_parallel(config: EngineConfig) -> None:
 
 
 def _check_attention_backend(config: EngineConfig) -> None:
-    """Refuses an unknown backend, and FA3 where it cannot run: a model it does not take, a device without it, or
-    deterministic mode (whose decodes give the bits of chunkwise's prefill kernel)."""
+    """Refuses an unknown backend, and FA3 with deterministic mode (whose decodes give the bits of chunkwise's
+    prefill kernel); whether FA3 runs here for this model, `open_config` checks."""
     backend = config.attention_backend
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {backend!r}")
@@ -179,9 +158,6 @@ def _check_attention_backend(config: EngineConfig) -> None:
     if config.deterministic:
         raise ValueError("attention_backend='fa3' does not combine with deterministic=True: deterministic decodes "
                          "give the bits of chunkwise's own prefill kernel")
-    why = fa3_unavailable(config.device, config.dtype, config.model_config.head_dim)
-    if why is not None:
-        raise ValueError(f"attention_backend='fa3' cannot run here: {why}")
 
 
 def _resolve_dtype(dtype) -> torch.dtype:

@@ -33,8 +33,9 @@ def validate_requests(model_config: ModelConfig, tokenizer, max_model_len: int, 
     whatever the batch's size; for a single prompt (a string or one list of ids) it is that prompt's chunks.
 
     A composite prompt (a Chunk, or a list holding one, mixed with text and id lists; chunkwise/chunks.py) is
-    the concatenation of its pieces, checked against `chunks` (the engine's registry); its pieces' lengths are
-    its prefill chunks unless `chunk_sizes` gives its chunks explicitly. `reuse`: one mode ("exact", "blend" or a
+    the concatenation of its pieces, checked against `chunks` (the engine's registry), and is split into prefill
+    chunks as a plain prompt is: by the token budget, or by `chunk_sizes` if given (its pieces' boundaries matter
+    to the prefix cache and the `chunk_reuse` report, not to the steps). `reuse`: one mode ("exact", "blend" or a
     Blend) or one per prompt.
     """
     if (is_single_prompt(prompts) or is_composite(prompts)) and isinstance(chunk_sizes, (list, tuple)):
@@ -65,8 +66,6 @@ def validate_requests(model_config: ModelConfig, tokenizer, max_model_len: int, 
                              f"prompt is prefilled in one step (its recompute is chosen over the whole prompt)")
         if mode != "exact" and pc is not None:
             c = [len(tokens)]
-        elif c is None and pc is not None:   # explicit chunk_sizes win over the pieces' boundaries
-            c = [piece.num_tokens for piece in pc]
         requests.append(Request(tokens, p, expand_chunk_sizes(c, len(tokens), i), pc, mode))
     return requests
 

@@ -1,4 +1,4 @@
-"""Blend mode in the fast engine (chunkwise/engine/blend.py): chunks' own K/V placed at new positions, a share of
+"""Blend mode in the fast engine (chunkwise/engine/blend/): chunks' own K/V placed at new positions, a share of
 their tokens recomputed.
 
 Its promises, each tested here: at recompute ratio 1 it is a full recompute, bit for bit exact mode's in

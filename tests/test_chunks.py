@@ -20,6 +20,7 @@ from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from chunkwise.chunks import Blend, Chunk, ChunkReuse, blend_params, check_reuse
 from chunkwise.engine import Engine, SamplingParams
 from chunkwise.engine_config import EngineConfig
+from chunkwise.requests import validate_requests
 
 pytestmark = pytest.mark.correctness
 
@@ -233,14 +234,112 @@ def test_a_pinned_system_chunk_is_reused_exactly_after_pressure_and_a_document_a
     assert eng.page_pool.num_free_pages == eng.page_pool.num_pages
 
 
-def test_pieces_are_prefill_chunks_unless_chunk_sizes_are_given(ckpt):
+def test_pieces_do_not_set_chunk_sizes_but_explicit_chunk_sizes_win(ckpt):
     eng = Engine(ckpt, page_size=4, num_pages=32, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False)
     a, b = eng.register_chunk(seeded_ids(5, "a")), eng.register_chunk(seeded_ids(7, "b"))
     seqs = eng._prepare([[a, [3, 4], b]], PARAMS, None)
-    assert seqs[0].chunk_sizes == [5, 2, 7] and seqs[0].prompt_token_ids == concat([a, [3, 4], b])
+    assert seqs[0].chunk_sizes is None and seqs[0].prompt_token_ids == concat([a, [3, 4], b]), \
+        "a composite prompt's pieces split its prefill: the budget should"
+    assert [p.num_tokens for p in seqs[0].pieces] == [5, 2, 7]
     assert eng._prepare([[a, [3, 4], b]], PARAMS, [[7, 7]])[0].chunk_sizes == [7, 7]
+    assert eng._prepare([[a, [3, 4], b]], PARAMS, 6)[0].chunk_sizes == [6, 6, 2]
+    blended = validate_requests(eng.model_config, None, MAX_MODEL_LEN, [a, [3, 4], b], PARAMS, reuse="blend",
+                                chunks=eng.chunks)
+    assert blended[0].chunk_sizes == [14]   # a blended prompt stays one step
     assert eng._prepare([[1, 2, 3]], PARAMS, None)[0].chunk_sizes is None   # a plain prompt: the budget splits it
     assert eng.generate([[1, 2, 3]], PARAMS)[0].chunk_reuse is None
+
+
+def record_steps(eng: Engine) -> list[list[int]]:
+    """From now on, each scheduled step's tokens per sequence, in the scheduler's own order."""
+    steps: list[list[int]] = []
+    schedule = eng.scheduler.schedule
+
+    def recorded():
+        batch = schedule()
+        if not batch.is_empty:
+            steps.append(list(batch.num_new_tokens))
+        return batch
+    eng.scheduler.schedule = recorded
+    return steps
+
+
+@st.composite
+def composites(draw):
+    """Pieces of a composite prompt: ("chunk", i) of the drawn chunks (repeats allowed), ids, or text."""
+    chunk_lengths = draw(st.lists(st.integers(1, 9), min_size=1, max_size=3))
+    piece = st.one_of(st.tuples(st.just("chunk"), st.integers(0, len(chunk_lengths) - 1)),
+                      st.tuples(st.just("ids"), st.integers(1, 5)),
+                      st.tuples(st.just("text"), st.text("ab \u00e9\u65e5", min_size=1, max_size=5)))
+    pieces = draw(st.lists(piece, min_size=1, max_size=4))
+    if not any(kind == "chunk" for kind, _ in pieces):
+        pieces.insert(draw(st.integers(0, len(pieces))), ("chunk", 0))
+    return dict(chunk_lengths=chunk_lengths, pieces=pieces, pins=draw(st.lists(st.booleans(), min_size=3, max_size=3)),
+                page_size=draw(st.sampled_from([2, 3, 4, 8])), budget=draw(st.integers(3, 32)),
+                seed=draw(st.integers(0, 999)))
+
+
+STEP_PARAMS = SamplingParams(max_tokens=2, ignore_eos=True)   # a decode step after the prefill
+
+
+@settings(max_examples=max(3, settings().max_examples // 3), deadline=None)   # ~10 s per example on one core
+@given(c=composites())
+@example(c=dict(chunk_lengths=[9, 5], pieces=[("chunk", 0), ("ids", 3), ("chunk", 1), ("text", "ab")],
+                pins=[True, False, False], page_size=4, budget=24, seed=0))   # 4 pieces, one budget-sized step
+@example(c=dict(chunk_lengths=[6], pieces=[("ids", 2), ("chunk", 0), ("ids", 5)], pins=[False, False, False],
+                page_size=3, budget=4, seed=1))                               # budget cuts across the pieces
+def test_a_composite_is_scheduled_as_the_plain_prompt_of_its_ids(c, tiny_ckpt_with_byte_tokenizer):
+    """Any composite, any budget, any page size: the steps (tokens per step, from where the cache ends) and the
+    tokens are those of the plain prompt of the same ids on an engine whose cache holds the same chunks."""
+    note(repr(c))
+    engines, chunk_ids = [], [seeded_ids(n, (c["seed"], i)) for i, n in enumerate(c["chunk_lengths"])]
+    for _ in range(2):
+        eng = Engine(tiny_ckpt_with_byte_tokenizer, page_size=c["page_size"], num_pages=64,
+                     max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=c["budget"], max_pinned_fraction=0.5)
+        handles = [eng.register_chunk(ids, pin=pin) for ids, pin in zip(chunk_ids, c["pins"])]
+        engines.append((eng, handles))
+    (comp, handles), (plain, _) = engines
+    prompt = [handles[x] if kind == "chunk" else seeded_ids(x, (c["seed"], j)) if kind == "ids" else x
+              for j, (kind, x) in enumerate(c["pieces"])]
+    tok = comp.tokenizer
+    ids = [t for p in prompt for t in (p.token_ids if isinstance(p, Chunk) else
+                                       tok.encode(p, add_special_tokens=False) if isinstance(p, str) else p)]
+    comp_steps, plain_steps = record_steps(comp), record_steps(plain)
+    out = comp.generate(prompt, STEP_PARAMS)[0]
+    expected = plain.generate([ids], STEP_PARAMS)[0]
+    note(f"composite steps {comp_steps}, plain steps {plain_steps}, cached {out.num_cached_tokens}")
+    assert out.prompt_token_ids == ids
+    assert out.num_cached_tokens == expected.num_cached_tokens, "the composite did not start where the cache ends"
+    assert comp_steps == plain_steps, "a composite prompt's steps differ from its plain prompt's"
+    assert comp_steps[0] == [min(c["budget"], len(ids) - out.num_cached_tokens)]
+    assert out.token_ids == expected.token_ids
+    assert [(r.num_tokens, r.exact) for r in out.chunk_reuse] == \
+        [(r.num_tokens, r.exact) for r in reuse_report_of(prompt, ids, tok, out.num_cached_tokens)]
+
+
+def reuse_report_of(prompt, ids, tok, num_cached: int) -> list[ChunkReuse]:
+    """The per-piece report an independent count gives: the cached prefix's tokens where each piece lies."""
+    out, start = [], 0
+    for p in prompt:
+        n = len(p) if isinstance(p, Chunk) else len(tok.encode(p, add_special_tokens=False)) if isinstance(p, str) \
+            else len(p)
+        exact = max(0, min(start + n, num_cached) - start)
+        out.append(ChunkReuse(p if isinstance(p, Chunk) else None, n, exact, 0, n - exact))
+        start += n
+    assert start == len(ids)
+    return out
+
+
+def test_a_composite_whose_leading_chunk_is_cached_starts_where_the_cache_ends(ckpt):
+    """[chunk of 10, ids of 3] with pages of 4: the chunk's two full pages are cached at registration, so one step
+    computes the 5 tokens after them, as for the plain prompt."""
+    eng = Engine(ckpt, page_size=4, num_pages=32, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64)
+    sys_chunk = eng.register_chunk(seeded_ids(10, "lead"), pin=True)
+    steps = record_steps(eng)
+    out = eng.generate([sys_chunk, [5, 6, 7]], STEP_PARAMS)[0]
+    assert out.num_cached_tokens == 8
+    assert steps == [[5], [1]]
+    assert [(r.exact, r.recomputed) for r in out.chunk_reuse] == [(8, 2), (0, 3)]
 
 
 def test_composites_work_in_add_request_and_prefill_kv_on_both_engines(ckpt, ref):

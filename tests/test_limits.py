@@ -21,6 +21,7 @@ from chunkwise.checkpoints import tiny_checkpoint
 from chunkwise.engine import Engine, SamplingParams
 from chunkwise.engine import kv_cache
 from chunkwise.engine_config import DTYPES, EngineConfig
+from chunkwise.open_config import open_config
 
 pytestmark = pytest.mark.correctness
 
@@ -211,7 +212,8 @@ def test_the_kv_pool_of_every_dtype_holds_the_pages_its_memory_holds_and_refuses
     memory for exactly 40 such pages and a CPU cap of 10, the default pool is 10 pages, num_pages=40 is accepted
     and 41 refused by name. (A float16 page counted as 4-byte elements would get 5 pages and refuse 40.)"""
     def config(num_pages):
-        return EngineConfig(ckpt, dtype=dtype, device="cpu", page_size=4, max_model_len=64, num_pages=num_pages)
+        return open_config(EngineConfig(ckpt, dtype=dtype, device="cpu", page_size=4, max_model_len=64,
+                                        num_pages=num_pages))
 
     def pool(num_pages=None):
         c = config(num_pages)
@@ -337,17 +339,17 @@ def test_each_engine_config_value_inside_its_limits_is_accepted_and_outside_refu
     """The tiny Qwen3 (4 query heads, 2 KV heads, intermediate 128, head_dim 16: split-KV tiles of 64, 1024
     positions): tensor parallelism splits or replicates KV heads, so 4 ranks are accepted and 3 or 8 are not."""
     for value in accepted:
-        config = EngineConfig(ckpt, **{field: value})
+        config = open_config(EngineConfig(ckpt, **{field: value}))
         if value is not None and field not in ("dtype", "device"):
             assert getattr(config, field) == value
     for value in refused:
         with pytest.raises(ValueError, match=field) as e:
-            EngineConfig(ckpt, **{field: value})
+            open_config(EngineConfig(ckpt, **{field: value}))
         assert repr(value) in str(e.value) or str(value) in str(e.value), e.value
 
 
 def test_engine_config_defaults_resolve_as_documented_on_the_cpu(ckpt):
-    config = EngineConfig(ckpt)
+    config = open_config(EngineConfig(ckpt))
     assert (config.dtype, config.device, config.max_model_len) == (torch.float32, torch.device("cpu"), 1024)
     assert (config.split_kv_threshold, config.split_size, config.async_scheduling) == (256, 512, False)
     assert config.max_pages_per_seq == 64 and EngineConfig(ckpt, page_size=5, max_model_len=11).max_pages_per_seq == 3
@@ -367,11 +369,11 @@ def test_fa3_is_refused_where_it_cannot_run_naming_why(ckpt, monkeypatch):
     monkeypatch.setattr(fa3, "library", lambda: (None, "No module named 'vllm'"))
     with pytest.raises(ValueError, match="attention_backend='fa3' cannot run here: vLLM's FlashAttention-3 library "
                                          "is not available: No module named 'vllm'"):
-        EngineConfig(ckpt, attention_backend="fa3")
+        open_config(EngineConfig(ckpt, attention_backend="fa3"))
     monkeypatch.setattr(fa3, "library", lambda: (object(), None))
     with pytest.raises(ValueError, match="attention_backend='fa3' cannot run here: it runs on CUDA devices only, "
                                          "got cpu"):
-        EngineConfig(ckpt, attention_backend="fa3", device="cpu")
+        open_config(EngineConfig(ckpt, attention_backend="fa3", device="cpu"))
     with pytest.raises(ValueError, match="attention_backend='fa3' does not combine with deterministic=True"):
         EngineConfig(ckpt, attention_backend="fa3", deterministic=True)
     cuda = torch.device("cuda", 0)
@@ -391,10 +393,10 @@ def test_the_default_cpu_pool_holds_every_running_sequence_at_full_length_below_
     """max_num_seqs sequences of max_model_len tokens (pages rounded up: 9 tokens take 3 pages of 4) when memory
     allows; a machine without room for one page refuses the engine naming the page size."""
     def pool(**kw):
-        c = EngineConfig(ckpt, device="cpu", page_size=4, max_model_len=9, **kw)
+        c = open_config(EngineConfig(ckpt, device="cpu", page_size=4, max_model_len=9, **kw))
         return kv_cache.pool_size(c, c.model_config.num_kv_heads, torch.device("cpu"))
     assert pool(max_num_seqs=3) == 9 and pool(max_num_seqs=1) == 3
-    per_page = kv_cache.page_bytes(EngineConfig(ckpt).model_config, 4, torch.float32)
+    per_page = kv_cache.page_bytes(open_config(EngineConfig(ckpt)).model_config, 4, torch.float32)
     monkeypatch.setattr(kv_cache.psutil, "virtual_memory", lambda: SimpleNamespace(available=4 * per_page - 1))
     with pytest.raises(ValueError, match="^page_size=4: one page of KV cache takes"):
         pool(max_num_seqs=3)

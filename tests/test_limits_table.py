@@ -342,7 +342,8 @@ def test_each_limit_is_served_at_and_inside_its_bounds_and_refused_past_them_nam
 # ---- no bound outside the table -------------------------------------------------------------------------------------
 
 VALIDATORS = ["chunkwise/requests.py", "chunkwise/sampling.py", "chunkwise/tokenizer.py", "chunkwise/chunks.py",
-              "chunkwise/engine_config.py", "chunkwise/serve/protocol.py", "chunkwise/serve/app.py",
+              "chunkwise/engine_config.py", "chunkwise/open_config.py", "chunkwise/serve/protocol.py",
+              "chunkwise/serve/app.py", "chunkwise/serve/chat.py",
               "chunkwise/serve/cli.py", "chunkwise/__main__.py", "chunkwise/reference/engine.py",
               "chunkwise/engine/llm_engine.py"]
 # In the engines' own modules only their validators (the rest is the engine at work, not a check of input).

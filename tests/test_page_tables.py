@@ -7,7 +7,8 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from chunkwise.engine.page_pool import PageChanges, PagePool
+from chunkwise.engine.page_changes import PageChanges
+from chunkwise.engine.page_pool import PagePool
 from chunkwise.engine.page_tables import PageTables
 from chunkwise.engine.sequence import Sequence
 

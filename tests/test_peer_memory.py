@@ -1,5 +1,5 @@
 """How ranks hand each other the file descriptors of their peer-memory allocations
-(chunkwise/engine/parallel/peer_memory.py): every rank gets every other rank's descriptor, of the right rank, as a
+(chunkwise/engine/distributed/peer_memory.py): every rank gets every other rank's descriptor, of the right rank, as a
 working descriptor of its own, for two and three ranks (CPU processes over gloo; mapping the allocations themselves
 needs GPUs: tests/test_all_reduce_gpu.py)."""
 import os
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from chunkwise.engine.parallel.peer_memory import exchange_fds
+from chunkwise.engine.distributed.peer_memory import exchange_fds
 
 pytestmark = pytest.mark.correctness
 
@@ -52,7 +52,7 @@ def test_a_datagram_not_from_the_named_peer_is_ignored():
     import array
     import socket
 
-    from chunkwise.engine.parallel.peer_memory import _socket_name
+    from chunkwise.engine.distributed.peer_memory import _socket_name
     fake_pid = 2 ** 22 + 12345   # above Linux's pid_max: no real process has it
     real, bogus = os.memfd_create("peer"), os.memfd_create("bogus")
     os.write(real, b"peer's buffer")

@@ -247,7 +247,7 @@ CHUNK, UNPINNED = "<sys>", "<doc_b>"
     ("/v1/completions", {"model": MODEL, "chunkwise": {"prompt": [{"chunk": CHUNK}], "frobnicate": 1}}, 400,
      "chunkwise.frobnicate", "Unrecognized"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                              "chunkwise": {"prompt": [{"chunk": CHUNK}]}}, 400, "chunkwise", "Unrecognized"),
+                              "chunkwise": {"prompt": [{"chunk": CHUNK}]}}, 400, "chunkwise.prompt", "Unrecognized"),
 ])
 def test_bad_chunk_inputs_get_openai_errors_naming_the_field(server, chunks, engine, path, body, status, param,
                                                               says):

@@ -161,7 +161,7 @@ def test_blended_steps_tails_over_the_static_inputs_give_the_eager_tails_bits_in
                     assert torch.equal(logits, graphs.model.tail(state, graphs.kv.layers)), graphs.tail_key(state)
                     staged.append(graphs.tail_key(state))
                 return logits
-            graphs.blend_tail = static_tail
+            graphs.replay_tail = static_tail
         chunks = [eng.register_chunk([(5 * i + 7 * n) % (VOCAB - 3) + 3 for i in range(n)]) for n in docs]
         prompts = [[[3 + j], *chunks[j % len(chunks):], *chunks[:j % len(chunks)], [4, 5 + j]]
                    for j in range(requests)]
@@ -236,6 +236,6 @@ def test_blended_prefills_replay_tail_graphs_with_the_eager_engines_bits_in_dete
             runs[eager] = [o.token_ids for o in outs], eng.prefill_kv(prompts[0], reuse=blend), \
                 eng.executor.runner.launches
     (tokens, kv, launches), (eager_tokens, eager_kv, eager_launches) = runs[False], runs[True]
-    assert launches["blend tail", "graph"] > 0 and not eager_launches["blend tail", "graph"], launches
+    assert launches["tail", "graph"] > 0 and not eager_launches["tail", "graph"], launches
     assert tokens == eager_tokens
     assert all(torch.equal(a, b) for a, b in zip(kv, eager_kv))

@@ -28,7 +28,7 @@ from chunkwise.checkpoints import tiny_checkpoint
 from chunkwise.model_config import ModelConfig
 from chunkwise.engine import Engine, SamplingParams
 from chunkwise.engine.model_runner import ModelRunner
-from chunkwise.engine.parallel.tensor_parallel import TensorParallel
+from chunkwise.engine.distributed.tensor_parallel import TensorParallel
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -23,7 +23,7 @@ from test_tensor_parallel_lifecycle import assert_gone, within
 import chunkwise.reference
 from chunkwise.checkpoints import resolve_model, tiny_checkpoint
 from chunkwise.engine import Engine, SamplingParams
-from chunkwise.engine.parallel.workers import StepMessage, TensorParallelError
+from chunkwise.engine.executor.workers import StepMessage, TensorParallelError
 
 pytestmark = [pytest.mark.gpu, pytest.mark.correctness,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]

@@ -25,8 +25,8 @@ import torch
 import chunkwise.reference
 from chunkwise.model_config import ModelConfig
 from chunkwise.engine import Engine, SamplingParams
-from chunkwise.engine.parallel.tensor_parallel import CollectiveGuard, TensorParallel
-from chunkwise.engine.parallel.workers import StepMessage, TensorParallelError
+from chunkwise.engine.distributed.tensor_parallel import CollectiveGuard, TensorParallel
+from chunkwise.engine.executor.workers import StepMessage, TensorParallelError
 
 PROMPTS = [[5, 9, 14, 3, 22, 8, 17], [60, 61, 62, 63, 64, 65]]
 GREEDY = SamplingParams(max_tokens=3, ignore_eos=True)
@@ -266,7 +266,7 @@ def test_a_single_device_engine_closes_too(ckpt):
 
 
 def write_config(tmp_path, **overrides):
-    """A checkpoint directory holding only config.json (EngineConfig reads no weights)."""
+    """A checkpoint directory holding only config.json (opening the engine config reads no weights)."""
     from transformers import AutoConfig
 
     from chunkwise.checkpoints import tiny_config_dict

@@ -10,7 +10,7 @@ issue after a greedy step.
 Mixed and prefill-only steps (one device, `max_graph_tokens` > 0): an eager step of a few hundred tokens spends
 most of its time launching some 300 kernels from Python, far more than the kernels take, and every decoding user
 waits for it. A step of R prefill rows and d decodes (R + d <= max_graph_tokens, at most PREFILL_SEQS prefilling
-sequences, no blending, no cascade groups) replays the graph of key (rows, decodes): the decodes padded to the
+sequences, no row plan, no cascade groups) replays the graph of key (rows, decodes): the decodes padded to the
 next power of two D, the prefill rows to `rows` - D, `rows` the smallest multiple of ROWS_STEP (or 16, 32) that
 holds both. Layout: prefill rows first (real, then padding that belongs to no sequence: paged_attention skips
 it), then the decodes (real, then padding); PREFILL_SEQS prefill sequences, those past the real ones holding no
@@ -22,11 +22,11 @@ copied from at once: int64, NUM_SEGMENTS segments of `seg` elements, in the orde
 int32, the fields of `at32` (decode seq lens, prefill seq lens, query_start_loc, the cascade groups' tensors).
 Page tables: `static_tables`, PREFILL_SEQS prefill rows then the decodes'.
 
-Blended prefills (`blend_tail`): their check layers choose rows on the device, so a blended step runs eagerly up
-to its last check layer (the first four of a deep model for "kv-deviation", none for "chunk-heads"). From there
+Steps with a row plan (chunkwise/engine/row_plan.py; `replay_tail`): their check layers choose rows on the device,
+so such a step runs eagerly up to its last check layer (a few of a deep model's first layers, or none). From there
 its rows are fixed, and the rest, most of the step, replays a *tail graph*: the layers from that one on, the final
-norm and the logits, over static inputs of its own (the residual stream, explicit positions, slots, tables) for
-a row bucket (`tail_bucket`), captured the first time a (first layer, bucket) comes. Rows past the real ones are
+norm and the logits, over static inputs of its own (the residual stream, explicit positions, slots, tables) for a
+row bucket (`tail_bucket`), captured the first time a (first layer, bucket) comes. Rows past the real ones are
 padding as in a mixed graph; only steps of prefills alone (no decodes beside them, at most PREFILL_SEQS) take one.
 Eagerly, such a step spent far more time launching its 28 layers' kernels than running them.
 """
@@ -41,7 +41,7 @@ from chunkwise.kernels.cascade import CascadeGroups
 from chunkwise.engine.host_step import ALIGN, HostStep, fill_pending
 from chunkwise.engine.kv_cache import KVCache
 from chunkwise.engine.model import LayerState, Model, StepInputs
-from chunkwise.engine.parallel.tensor_parallel import TensorParallel
+from chunkwise.engine.distributed.tensor_parallel import TensorParallel
 
 # The int64 segments: what the graph reads (a step's token ids, positions, cache slots, logits rows and page-table
 # rows), then what is read before the replay, not by the graph (the pending tokens' rows in the batch and their
@@ -92,7 +92,7 @@ class StepGraphs:
         self.rows = 0   # the largest decode bucket
         self.mixed_keys: set[tuple[int, int]] = set()   # (prefill rows, decode rows) of the mixed graphs
         self.budget = 0   # the most tokens of a step that a mixed graph holds
-        # Blended prefills' tail graphs (module docstring): (first layer, rows) -> graph, its static state, logits.
+        # Row-planned steps' tail graphs (module docstring): (first layer, rows) -> graph, its static state, logits.
         self.tails: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, LayerState, torch.Tensor]] = {}
         self.tail_rows = 0   # the most rows a tail graph holds; 0: none (set when the graphs are captured)
         self.tail_pool = None
@@ -230,7 +230,7 @@ class StepGraphs:
             if d > self.rows or len(host.logits_indices) != d:
                 return None
             return host.cascade is not None, 0, min(b for b in self.buckets if b >= d)
-        if (not self.mixed_keys or host.blend is not None or host.cascade is not None
+        if (not self.mixed_keys or host.row_plan is not None or host.cascade is not None
                 or host.num_prefill > self.prefill_seqs):
             return None
         prefill_rows = int(host.query_start_loc[-1])
@@ -329,7 +329,7 @@ class StepGraphs:
         return logits[:len(host.logits_indices)]
 
     def tail_key(self, state: LayerState) -> tuple[int, int] | None:
-        """The tail graph (first layer, rows) that holds the rest of a blended step from `state`, or None: decodes
+        """The tail graph (first layer, rows) that holds the rest of a row-planned step from `state`, or None: decodes
         beside its prefills, more than PREFILL_SEQS of them, or more rows than `tail_rows`."""
         inp = state.inp
         rows = inp.input_ids.shape[0]
@@ -355,7 +355,7 @@ class StepGraphs:
 
     @staticmethod
     def _stage_tail(state: LayerState, static: LayerState) -> None:
-        """Copies a blended step's state into a tail graph's static state, padding the rest (device to device)."""
+        """Copies a row-planned step's state into a tail graph's static state, padding the rest (device to device)."""
         src, dst = state.inp, static.inp
         t, p = src.input_ids.shape[0], src.seq_lens.shape[0]
         for a, b, pad in ((state.h, static.h, 0), (state.residual, static.residual, 0),
@@ -368,8 +368,8 @@ class StepGraphs:
             b[len(a):].fill_(pad)
         dst.page_tables[:p, :src.page_tables.shape[1]].copy_(src.page_tables)
 
-    def blend_tail(self, state: LayerState) -> torch.Tensor | None:
-        """`Model.forward`'s tail for a blended step: its logits from the replay of the tail graph that holds it
+    def replay_tail(self, state: LayerState) -> torch.Tensor | None:
+        """`Model.forward`'s tail for a row-planned step: its logits from the replay of the tail graph that holds it
         (captured now if this is its key's first step), or None where none does."""
         key = self.tail_key(state)
         if key is None:
@@ -389,7 +389,7 @@ class StepGraphs:
         return logits[:state.inp.logits_indices.shape[0]]
 
     def static_tail(self, state: LayerState) -> torch.Tensor | None:
-        """What `blend_tail` computes, run eagerly over the same static inputs (tests the staging where no graph
+        """What `replay_tail` computes, run eagerly over the same static inputs (tests the staging where no graph
         can be captured, e.g. on CPU)."""
         key = self.tail_key(state)
         if key is None:

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from chunkwise.kernels.cascade import CascadeGroups
-from chunkwise.engine.blend import HostBlend
-from chunkwise.engine.page_pool import PageChanges
+from chunkwise.engine.page_changes import PageChanges
+from chunkwise.engine.row_plan import HostRows
 
 ALIGN = 16   # elements: each packed or static input starts 16-element aligned
 
@@ -40,7 +40,7 @@ class HostStep:
     # step's sampled tokens that hold them.
     pending: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))       # int64 [M]
     pending_src: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # int64 [M]
-    blend: HostBlend | None = None   # the step's blended prefills (chunkwise/engine/blend.py); rows above are layer 0's
+    row_plan: HostRows | None = None   # the step's row plan (chunkwise/engine/row_plan.py); rows above are layer 0's
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Launched:
     host_tokens: torch.Tensor     # int64 [N], argmax of each row (pinned on GPU)
     ready: torch.cuda.Event | None
     needs_logits: bool            # HostStep's: a row's token or logprobs come from the logits on the host
-    blend: tuple[HostBlend, torch.Tensor] | None = None   # the step's blending and its kept rows (layer-0 layout)
+    row_plan: tuple[HostRows, torch.Tensor] | None = None   # the step's row plan and its kept rows (layer 0's)
 
 
 def fill_pending(ids: torch.Tensor, pending: torch.Tensor, src: torch.Tensor, last_tokens: torch.Tensor) -> None:

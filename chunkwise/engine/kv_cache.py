@@ -13,7 +13,7 @@ import torch
 
 from chunkwise.engine_config import EngineConfig
 from chunkwise.model_config import ModelConfig
-from chunkwise.engine.parallel.tensor_parallel import TensorParallel
+from chunkwise.engine.distributed.tensor_parallel import TensorParallel
 
 CPU_KV_CACHE_CAP = 512 << 20   # bytes of KV cache a CPU engine takes by default
 

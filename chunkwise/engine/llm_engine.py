@@ -8,8 +8,8 @@ and the engine goes on as if they had never run. One lock serialises the public 
 share an engine.
 
 `tensor_parallel_size=N` shards the model over N ranks: this process is rank 0 (it schedules, samples and
-postprocesses as with one device) and starts N-1 worker processes (chunkwise/engine/parallel/workers.py). The engine
-talks only to its executor (chunkwise/engine/parallel/executor.py), the same calls on one device or N. A failure
+postprocesses as with one device) and starts N-1 worker processes (chunkwise/engine/executor/workers.py). The engine
+talks only to its executor (chunkwise/engine/executor/executor.py), the same calls on one device or N. A failure
 inside a step's forward cannot be contained there (the ranks' caches may disagree): the engine closes and raises
 TensorParallelError. `close()` (or `with Engine(...) as eng:`) stops the workers; an engine that is garbage
 collected, or still open at interpreter exit, stops them too.
@@ -34,14 +34,16 @@ from tqdm.auto import tqdm
 from chunkwise.chunks import Chunk, ChunkRegistry, reuse_report
 from chunkwise.engine_config import EngineConfig
 from chunkwise.limits import LIMIT, pin_cap
+from chunkwise.open_config import open_config
 from chunkwise.requests import single_prompt, validate_requests
 from chunkwise.sampling import RequestOutput, SamplingParams
 from chunkwise.tokenizer import TextStream, decode, load_tokenizer
-from chunkwise.engine.blend import HostBlend, blend_report
+from chunkwise.engine.blend import Blender
 from chunkwise.engine.host_step import Launched
+from chunkwise.engine.model import Model
 from chunkwise.engine.page_pool import PagePool
-from chunkwise.engine.parallel.executor import Executor, MultiprocExecutor
-from chunkwise.engine.parallel.workers import TensorParallelError
+from chunkwise.engine.executor.executor import Executor, MultiprocExecutor
+from chunkwise.engine.executor.workers import TensorParallelError
 from chunkwise.engine.scheduler import ScheduledBatch, Scheduler
 from chunkwise.engine.sequence import Sequence
 
@@ -91,15 +93,21 @@ class Engine:
     """The shared interface plus the paging knobs of `EngineConfig` (page pool size, per-step token budget,
     running-sequence cap, prefix caching, CUDA graphs, split-KV threshold and split size)."""
 
+    # What runs the steps' forward: a subclass may set a stand-in with Model's constructor and forward, on one
+    # device (chunkwise/engine/stand_in_model.py: the host's work alone, as benchmarks/bench_host.py times it).
+    model_class: type = Model
+
     def __init__(self, model, **kwargs):
-        self.engine_config = config = EngineConfig(model, **kwargs)
+        self.engine_config = config = open_config(EngineConfig(model, **kwargs))
         self.model_config, self.dtype, self.device = config.model_config, config.dtype, config.device
         self.max_model_len, self.page_size = config.max_model_len, config.page_size
         self.tokenizer = load_tokenizer(config.path)
         self._closed: str | None = None                      # why the engine takes no more work, once closed
-        self.executor = Executor(config) if config.tensor_parallel_size == 1 else MultiprocExecutor(config)
+        executor = Executor if config.tensor_parallel_size == 1 else MultiprocExecutor
+        self.executor = executor(config, self.model_class)
         self.page_pool = PagePool(self.executor.num_pages, config.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.page_pool, self.model_config.eos_token_ids)
+        self.blender = Blender(self.model_config.num_layers)   # blended prefills' plans and reports
+        self.scheduler = Scheduler(config, self.page_pool, self.model_config.eos_token_ids, row_planner=self.blender)
         self.chunks = ChunkRegistry("chunkwise.Engine")       # registered chunks, and the pages of pinned ones
         self._claims: dict[int, list[StepOutput]] = {}       # outputs collected by a generate/prefill_kv call
         self._backlog: list[StepOutput] = []                 # streamed requests' outputs made inside those calls
@@ -194,7 +202,8 @@ class Engine:
         return RequestOutput(seq.seq_id, list(seq.prompt_token_ids), token_ids=seq.completion_token_ids,
                              text=decode(self.tokenizer, seq.completion_token_ids), logprobs=seq.logprobs,
                              finish_reason=reason, num_cached_tokens=seq.num_cached_tokens, error=seq.error,
-                             chunk_reuse=seq.chunk_reuse or reuse_report(seq.pieces, seq.num_cached_tokens))
+                             chunk_reuse=self.blender.pop_report(seq.seq_id)
+                             or reuse_report(seq.pieces, seq.num_cached_tokens))
 
     # ---- chunks ------------------------------------------------------------------------------------
     def register_chunk(self, prompt, pin: bool = False) -> Chunk:
@@ -312,8 +321,8 @@ class Engine:
         if exc is not None:   # contained as in `_step`
             return self._fail(batch, exc)
         tokens, logprobs = result
-        if launched.blend is not None:
-            self._report_blend(batch, *launched.blend)
+        if launched.row_plan is not None:   # its row plans' reports (a blend's chunk_reuse)
+            self.blender.report(*launched.row_plan)
         sampled = [s for s in launched.seqs if s.seq_id in tokens]   # those that ended since are skipped
         finished = {s.seq_id for s in self.scheduler.postprocess(batch, tokens)}
         results = []
@@ -326,13 +335,6 @@ class Engine:
             out = self._finish(seq, seq.finish_reason) if rid in finished else None
             results.append(StepOutput(rid, [tokens[rid]], lp, out.finish_reason if out else None, out))
         return results
-
-    def _report_blend(self, batch: ScheduledBatch, blend: HostBlend, kept: torch.Tensor) -> None:
-        """Each blended prefill's ChunkReuse, from the rows its step computed at the last layer."""
-        kept = kept.cpu().numpy()
-        seqs = {s.seq_id: s for s in batch.seqs}
-        for seq_id, job, first in blend.jobs:
-            seqs[seq_id].chunk_reuse = blend_report(job, seqs[seq_id].pieces, first, kept)
 
     def _drain(self) -> list[StepOutput]:
         """Postprocess the step in flight, if any."""

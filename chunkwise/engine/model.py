@@ -5,8 +5,9 @@ Per layer, the new tokens' K/V go into the paged cache first (`rope_store`, fuse
 attention then reads pages only, so prefill, chunked prefill and decode read K/V the same way
 (docs/ARCHITECTURE.md, lesson 3). Each residual add is folded into the norm after it (`add_rms_norm`), so a
 decode layer is: norm, QKV GEMM, rope_store, attention, O GEMM, norm, gate_up GEMM, act_and_mul, down GEMM.
-A blended step's check layers choose its rows; the residual stream after them (`LayerState`) is all the later
-layers need, so the runner can replay those as a CUDA graph (`forward`'s `tail`).
+A step with a row plan (`StepInputs.row_plan`, chunkwise/engine/row_plan.py) places K/V before its first layer, and its
+check layers narrow its rows; the residual stream after them (`LayerState`) is all the later layers need, so the
+runner can replay those as a CUDA graph (`forward`'s `tail`).
 
 Deterministic mode (`deterministic=True`): every op on a token's path gives that token the same bits whatever its
 batch-mates, chunk boundaries or page size, and whether prefill, decode or a recompute computes it. The GEMMs take
@@ -16,7 +17,7 @@ its probabilities by dot (`sum_by_dot`), so its bits do not depend on the tile e
 activation already keep a row's bits (their rows per program depend on the width only), and RoPE's cos/sin are
 elementwise.
 
-Tensor parallelism (`tp`, see chunkwise/engine/parallel/tensor_parallel.py): the weights are one rank's shard; the
+Tensor parallelism (`tp`, see chunkwise/engine/distributed/tensor_parallel.py): the weights are one rank's shard; the
 embedding, o_proj and down_proj outputs are summed over the ranks (one all_reduce each; with the custom all-reduce,
 inside the next norm's kernel), so every rank carries the same residual stream, and each ends with its slice of the
 logits (`TensorParallel.argmax_logits` and `gather_logits` take it from there). Without `tp` the forward calls no
@@ -41,9 +42,9 @@ from chunkwise.kernels.fa3 import fa3_paged_attention
 from chunkwise.kernels.matmul import config_changes
 from chunkwise.kernels.paged_attention import paged_split_workspace
 from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE, SplitWorkspace, num_splits_for, split_workspace
-from chunkwise.engine.blend import BlendInputs, select_rows
 from chunkwise.engine.kv_cache import LayerCaches
-from chunkwise.engine.parallel.tensor_parallel import TensorParallel
+from chunkwise.engine.distributed.tensor_parallel import TensorParallel
+from chunkwise.engine.row_plan import RowInputs, select_rows
 from chunkwise.kernels.relocate import relocate_kv
 
 
@@ -60,8 +61,8 @@ class StepInputs:
     decode_seq_lens: torch.Tensor      # int32 [D]
     logits_indices: torch.Tensor     # int64 [N], rows whose logits are sampled (each one's last new token)
     cascade: CascadeGroups | None = None   # decodes' shared splits, read once per group (None: none shared)
-    blend: BlendInputs | None = None       # blended prefills (chunkwise/engine/blend.py): rows above are layer 0's
-    explicit_positions: bool = False       # prefill rows sit at `positions`, not at their sequences' ends (a blend's)
+    row_plan: RowInputs | None = None      # its row plan (chunkwise/engine/row_plan.py): rows above are layer 0's
+    explicit_positions: bool = False       # prefill rows sit at `positions`, not at their sequences' ends (planned)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -74,24 +75,21 @@ class LayerState:
     layer: int                         # the next layer to run
     h: torch.Tensor                    # [T, hidden]: the last sublayer's output (the embedding before layer 0)
     residual: torch.Tensor | None      # [T, hidden]: the residual stream before it (None before layer 0)
-    inp: StepInputs                    # the step's inputs as of `layer` (a blend's rows after its selections)
+    inp: StepInputs                    # the step's inputs as of `layer` (a row plan's rows after its selections)
 
 
 # A step of at most this many prefill rows splits their context across programs every PREFILL_SPLIT_SIZE positions,
 # in PREFILL_SPLIT_TILE_ROWS-row tiles (paged_attention's split_size): such a chunk fills few programs, each
 # sweeping the whole context.
-# Chosen on an H200 (benchmarks/attention_rows.py, CUDA-graph replays, Qwen3-0.6B's 16q/8kv d128): over chunks of
-# 64-512 rows after 512-8192 tokens 2.3x less time than one pass (geometric mean; 512 positions and 128 rows beat
-# 256 or 1024 and 256 rows), and less at every such shape; at 1024 rows or more one pass wins after 2k tokens.
-# bench_engine's decode-heavy workload (such chunks beside up to 256 decodes) measured the same either way.
+# Chosen by benchmarks/attention_rows.py: docs/BENCHMARKS.md, "Behind the code: PREFILL_SPLIT_ROWS".
 PREFILL_SPLIT_ROWS = 512
 PREFILL_SPLIT_SIZE = 512
 PREFILL_SPLIT_TILE_ROWS = 128   # the split launches' tile cap, and so their workspace's
-# A blend's rows after its check layers lie anywhere in the context, each query block spanning most of it.
-BLEND_SPLIT_ROWS = 1024
-# One-pass prefill tiles' rows (256 on Hopper, else 128: tile_config), in both modes. On an H200 the 256-row tiles
-# took 0.91x the 128-row ones' time over three prefill chunks (300-4096 rows after 2-4k, 16q/8kv). Deterministic
-# mode's decodes take 16-row tiles (paged_decode with sum_by_dot), whose rows get these tiles' bits.
+# A row plan's rows after its check layers lie anywhere in the context, each query block spanning most of it.
+PLANNED_SPLIT_ROWS = 1024
+# One-pass prefill tiles' rows (256 on Hopper, else 128: tile_config), in both modes (docs/BENCHMARKS.md,
+# "Behind the code: PREFILL_TILE_ROWS"). Deterministic mode's decodes take 16-row tiles (paged_decode with
+# sum_by_dot), whose rows get these tiles' bits.
 PREFILL_TILE_ROWS = 256
 
 
@@ -103,7 +101,7 @@ class Model:
         self.cfg = cfg
         self.deterministic = deterministic
         # Prefill rows at their sequences' ends take vLLM's FA3 (EngineConfig.attention_backend="fa3"), split
-        # where chunkwise's kernel would split them; a blend's rows (explicit positions) keep chunkwise's kernel.
+        # where chunkwise's kernel would split them; a row plan's rows (explicit positions) keep chunkwise's kernel.
         self.fa3_prefill = fa3_prefill
         self.split_size = split_size   # split-KV split length in tokens
         self.tp = tp                   # None: the whole model on one device
@@ -114,8 +112,8 @@ class Model:
                                and not cfg.o_proj_bias)
         self.embed = weights["model.embed_tokens.weight"]
         # A mixed step's decodes (memory-bound) run on this stream beside its prefill attention (compute-bound,
-        # one 256-row program per SM), on the SMs the prefill's last wave leaves idle (H200, prefill-heavy
-        # benchmark: 69.5% -> 72.6% of its roofline; same tokens). Deterministic mode's too: which SM runs a
+        # one 256-row program per SM), on the SMs the prefill's last wave leaves idle (docs/BENCHMARKS.md,
+        # "Behind the code: side_stream"). Deterministic mode's too: which SM runs a
         # program, and when, changes none of its bits. None on the CPU.
         device = self.embed.device
         self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -175,19 +173,20 @@ class Model:
         """Logits [N, vocab] for the rows `inp.logits_indices` (the model's dtype; float32 when soft-capped), after
         writing every layer's K/V; under tensor parallelism, this rank's [N, P] slice of them (soft-capped alike).
 
-        A blended step runs its check layers here; from the first layer after them its rows are fixed, and
-        `tail` (the runner's CUDA graphs) may run the rest: it returns the logits, or None to leave them here."""
+        A step with a row plan places its K/V and runs its check layers here; from the first layer after them its
+        rows are fixed, and `tail` (the runner's CUDA graphs) may run the rest: it returns the logits, or None to
+        leave them here."""
         h = self._embed(inp.input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         state = LayerState(0, h, None, inp)
-        blend = inp.blend
-        if blend is not None:
-            self._place(blend, kv_caches)
-            if blend.checks:
-                state = self._layers(state, kv_caches, max(blend.checks) + 1, blend)
+        plan = inp.row_plan
+        if plan is not None:
+            self._place(plan, kv_caches)
+            if plan.checks:
+                state = self._layers(state, kv_caches, max(plan.checks) + 1, plan)
             else:   # every row goes on through every layer
-                blend.kept = torch.arange(h.shape[0], device=h.device)
+                plan.kept = torch.arange(h.shape[0], device=h.device)
             if tail is not None and state.layer < len(self.layers):
                 logits = tail(state)
                 if logits is not None:
@@ -212,34 +211,34 @@ class Model:
         return self.layers[layer - 1]["post_ff_norm"] if self.cfg.sandwich_norms and layer > 0 else None
 
     def _layers(self, state: LayerState, kv_caches: LayerCaches, stop: int,
-                blend: BlendInputs | None = None) -> LayerState:
-        """Runs layers state.layer..stop-1. With `blend` (from layer 0), its check layers select the rows that go
-        on, and its `kept` becomes the rows (layer-0 layout) left after `stop`."""
+                plan: RowInputs | None = None) -> LayerState:
+        """Runs layers state.layer..stop-1. With a row `plan` (from layer 0), its check layers select the rows that
+        go on, and its `kept` becomes the rows (layer-0 layout) left after `stop`."""
         inp, h, residual = state.inp, state.h, state.residual
         # RoPE's cos/sin are elementwise in the positions: made once here for every layer (a selection narrows
         # them as it narrows the positions).
         rope = [rope_cos_sin(inp.positions, inv_freq) for inv_freq in self.inv_freqs]
         split_decodes = not self.deterministic and inp.decode_seq_lens.shape[0] > 0
         workspace = self._split_workspace(inp, kv_caches[0][0]) if split_decodes else None
-        prefill_workspace = self._prefill_workspace(inp, kv_caches[0][0], selecting=blend is not None)
-        if blend is not None:
-            candidate = blend.candidate
-            kept = torch.arange(candidate.shape[0], device=h.device)
+        prefill_workspace = self._prefill_workspace(inp, kv_caches[0][0], selecting=plan is not None)
+        if plan is not None:
+            placed_rows = plan.placed
+            kept = torch.arange(placed_rows.shape[0], device=h.device)
         # A sublayer's output h joins the residual stream inside the next norm's kernel. Gemma normalizes h
         # first (post-attention / post-FF norm): that norm (`pending` for the post-FF one) goes in the same kernel.
         pending = self._pending(state.layer)
         for i in range(state.layer, stop):
             lw = self.layers[i]
             x, residual = self._add_norm(h, residual, lw["input_norm"], pending)
-            check = blend.checks.get(i) if blend is not None else None
+            check = plan.checks.get(i) if plan is not None else None
             placed = self._kv_rows(kv_caches[i], inp.slot_mapping) if check is not None else None
             q = self._qkv_store(lw, x, inp, kv_caches[i], rope[self.rope_index[i]])
-            if check is not None:   # keep the rows that go on: fixed ones and the most deviating candidates
+            if check is not None:   # keep the rows that go on: unplaced ones and the most deviating placed ones
                 fresh = self._kv_rows(kv_caches[i], inp.slot_mapping)
                 (fk, fv), (pk, pv) = fresh, placed   # p promotes to float32 exactly: one launch fewer each
                 deviation = (fk.float() - pk).square().sum((1, 2)) + (fv.float() - pv).square().sum((1, 2))
-                keep = select_rows(check, deviation, candidate)
-                q, residual, candidate, kept = q[keep], residual[keep], candidate[keep], kept[keep]
+                keep = select_rows(check, deviation, placed_rows)
+                q, residual, placed_rows, kept = q[keep], residual[keep], placed_rows[keep], kept[keep]
                 rope = [(cos[keep], sin[keep]) for cos, sin in rope]
                 inp = replace(inp, input_ids=inp.input_ids[keep], positions=inp.positions[keep],
                               slot_mapping=inp.slot_mapping[keep], query_start_loc=check.query_start_loc)
@@ -250,8 +249,8 @@ class Model:
             else:
                 x, residual = self._add_norm(h, residual, lw["post_attn_norm"])
             h = self._mlp(lw, x)
-        if blend is not None:
-            blend.kept = kept
+        if plan is not None:
+            plan.kept = kept
         return LayerState(stop, h, residual, inp)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -276,17 +275,17 @@ class Model:
                                num_splits_for(tables.shape[1], k_cache.shape[1], self.split_size), tables.device)
 
     def _fa3(self, inp: StepInputs) -> bool:
-        """Whether the step's prefill rows take vLLM's FA3: with attention_backend="fa3", unless they are a blend's
-        (explicit positions, which FA3 does not take)."""
+        """Whether the step's prefill rows take vLLM's FA3: with attention_backend="fa3", unless they are a row
+        plan's (explicit positions, which FA3 does not take)."""
         return self.fa3_prefill and not inp.explicit_positions
 
     def _prefill_workspace(self, inp: StepInputs, k_cache: torch.Tensor, selecting: bool) -> SplitWorkspace | None:
         """The scratch of a step whose prefill rows split their context, made once per run of layers for each of
-        them; None for one pass: larger steps, a blend's layers up to its last check layer (`selecting`: its
+        them; None for one pass: larger steps, a row plan's layers up to its last check layer (`selecting`: its
         selection changes the rows' count per layer), and deterministic mode (where a token's bits must not depend
-        on the step that computes it). A blend's rows after its check layers split up to BLEND_SPLIT_ROWS."""
+        on the step that computes it). A row plan's rows after its check layers split up to PLANNED_SPLIT_ROWS."""
         p = inp.num_prefill_tokens
-        cap = BLEND_SPLIT_ROWS if inp.explicit_positions else PREFILL_SPLIT_ROWS
+        cap = PLANNED_SPLIT_ROWS if inp.explicit_positions else PREFILL_SPLIT_ROWS
         if self.deterministic or selecting or not 0 < p <= cap or self._fa3(inp):
             return None
         return paged_split_workspace(p, self._heads()[0], self.embed.dtype, k_cache, inp.page_tables,
@@ -326,11 +325,11 @@ class Model:
             split_kv_decode(*args, self.cfg.attn_scale, sliding_window=window, split_size=self.split_size,
                             out=out, workspace=workspace)
 
-    def _place(self, blend: BlendInputs, kv_caches: LayerCaches) -> None:
-        """Every layer's stored chunk K/V to the candidates' slots, K re-rotated by its layer's RoPE: one launch per
-        distinct RoPE config (e.g. Gemma's local and global), over the layers that share it."""
+    def _place(self, plan: RowInputs, kv_caches: LayerCaches) -> None:
+        """Every layer's K/V from the plan's source slots to its placed rows' slots, K re-rotated by its layer's RoPE:
+        one launch per distinct RoPE config (e.g. Gemma's local and global), over the layers that share it."""
         for inv_freq, layers in zip(self.inv_freqs, self.rope_layers):
-            relocate_kv(kv_caches.k, kv_caches.v, blend.src_slots, blend.dst_slots, blend.deltas, inv_freq,
+            relocate_kv(kv_caches.k, kv_caches.v, plan.src_slots, plan.dst_slots, plan.deltas, inv_freq,
                         layers=layers)
 
     @staticmethod

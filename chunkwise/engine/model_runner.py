@@ -8,7 +8,7 @@ on rank 0 only. On GPU, construction runs a forward per kernel specialisation cl
 compiles nothing.
 
 Tensor parallel (`tp`): this runner is one rank's, over its shard; it knows of the other ranks only through the
-`tp` handle whose collectives its forward calls. The executor (chunkwise/engine/parallel/executor.py) sends each
+`tp` handle whose collectives its forward calls. The executor (chunkwise/engine/executor/executor.py) sends each
 step's HostStep (with the batch's page changes, which every rank's page tables apply alike) to the other ranks around
 rank 0's forward (`run`'s `dispatch`); a worker's runner replays it (`run_host`). Every rank then runs the same
 forward, eager or the same CUDA graph, so the collectives inside match.
@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -29,13 +30,13 @@ import torch
 from chunkwise.engine_config import EngineConfig
 from chunkwise.kernels.cascade import CascadeGroups, cascade_groups, cascade_item_size
 from chunkwise.kernels.tiling import cdiv
-from chunkwise.engine.blend import BlendInputs, CheckLayer, plan_rows
 from chunkwise.engine.cuda_graphs import StepGraphs
 from chunkwise.engine.host_step import ALIGN, HostStep, Launched, fill_pending, synthetic_step
 from chunkwise.engine.kv_cache import KVCache
 from chunkwise.engine.model import Model, StepInputs
 from chunkwise.engine.page_tables import PageTables
-from chunkwise.engine.parallel.tensor_parallel import TensorParallel
+from chunkwise.engine.distributed.tensor_parallel import TensorParallel
+from chunkwise.engine.row_plan import HostRows, RowInputs, RowSelection, step_rows
 
 
 Forward = tuple[torch.Tensor | None, torch.Tensor]   # (logits or None, greedy tokens): see _logits_and_tokens
@@ -44,7 +45,9 @@ Forward = tuple[torch.Tensor | None, torch.Tensor]   # (logits or None, greedy t
 class ModelRunner:
     """One device's runner: prepares a ScheduledBatch's inputs and launches its forward, over its KV cache."""
 
-    def __init__(self, config: EngineConfig, weights: dict[str, torch.Tensor], tp: TensorParallel | None = None):
+    def __init__(self, config: EngineConfig, weights: dict[str, torch.Tensor], tp: TensorParallel | None = None,
+                 model_class: type = Model):
+        """`model_class`: Model, or a stand-in with its constructor and forward (chunkwise/engine/stand_in_model.py)."""
         cfg = config.model_config
         self.engine_config, self.tp = config, tp
         self.num_heads = len(tp.q_heads) if tp else cfg.num_heads          # this rank's
@@ -52,7 +55,7 @@ class ModelRunner:
         self.page_size = config.page_size
         self.device = tp.device if tp else config.device
         self.split_kv_threshold, self.split_size = config.split_kv_threshold, config.split_size
-        self.model = Model(cfg, weights, split_size=self.split_size, deterministic=config.deterministic, tp=tp,
+        self.model = model_class(cfg, weights, split_size=self.split_size, deterministic=config.deterministic, tp=tp,
                            fa3_prefill=config.attention_backend == "fa3")
         # Deterministic decodes take the single-pass kernel, so there are no splits to share.
         self.cascade = config.cascade_attention and not config.deterministic
@@ -64,7 +67,7 @@ class ModelRunner:
         # read of them is queued before that replay.
         self.last_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
         self.last_rows: dict[int, int] = {}
-        self.last_blend: BlendInputs | None = None   # the last eager step's blending, once run (its kept rows)
+        self.last_row_plan: RowInputs | None = None   # the last eager step's row plan, once run (its kept rows)
         self.graphs = StepGraphs(self.model, self.kv, tp, max_pages_per_seq=config.max_pages_per_seq,
                                  page_size=self.page_size, split_size=self.split_size,
                                  cascade_item_size=self.cascade_item_size, num_kv_heads=self.num_kv_heads,
@@ -113,10 +116,10 @@ class ModelRunner:
         else:   # decodes only: each computes its last token
             ids = np.array([s.token_ids[-1] for s in seqs], np.int64)
             ids[pending] = -1
-        blend, final = None, ends
-        if batch.blends:   # blended prefills: some rows start late or stop early
-            jobs = [batch.blends.get(s.seq_id) for s in seqs[:len(prefill)]]
-            keep0, final_n, blend = plan_rows(jobs, n, slots, len(prefill), [s.seq_id for s in seqs])
+        plan, final = None, ends
+        if batch.row_plans:   # prefills with row plans: some rows start late or stop early
+            plans = [batch.row_plans.get(s.seq_id) for s in seqs[:len(prefill)]]
+            keep0, final_n, plan = step_rows(plans, n, slots, len(prefill), [s.seq_id for s in seqs])
             ids, pos, slots = ids[keep0], pos[keep0], slots[keep0]
             ends, final = np.cumsum(np.add.reduceat(keep0.astype(np.int64), ends - n)), np.cumsum(final_n)
         try:
@@ -127,7 +130,7 @@ class ModelRunner:
                         seq_lens=(start + n).astype(np.int32), query_start_loc=np.concatenate(
                             ([0], ends[:len(prefill)])).astype(np.int32), num_prefill=len(prefill),
                         cascade=self._cascade(rows[len(prefill):], start[len(prefill):] + 1),
-                        pending=(ends - 1)[pending], pending_src=src, blend=blend,
+                        pending=(ends - 1)[pending], pending_src=src, row_plan=plan,
                         needs_logits=any(s.sampling_params.needs_logits for s, _, keep, _ in entries if keep),
                         page_changes=batch.page_changes)
         return host, [e[0] for e in entries if e[2]]
@@ -173,16 +176,16 @@ class ModelRunner:
                           query_start_loc=qsl, decode_page_tables=self.tables.table.index_select(0, drows),
                           decode_seq_lens=dlens, logits_indices=logits,
                           cascade=groups.on(*group_tensors) if groups is not None else None,
-                          blend=self._upload_blend(host) if host.blend is not None else None,
-                          explicit_positions=host.blend is not None)
+                          row_plan=self._upload_rows(host.row_plan) if host.row_plan is not None else None,
+                          explicit_positions=host.row_plan is not None)
 
-    def _upload_blend(self, host: HostStep) -> BlendInputs:
-        b = host.blend
-        layers = sorted(b.checks)
-        (src, dst, deltas, candidate), _ = self._packed([b.src_slots, b.dst_slots, b.deltas, b.candidate], torch.int64)
-        qsls, _ = self._packed([b.checks[i][1] for i in layers], torch.int32)
-        return BlendInputs(src, dst, deltas, candidate.bool(),
-                           {i: CheckLayer(b.checks[i][0], q) for i, q in zip(layers, qsls)})
+    def _upload_rows(self, plan: HostRows) -> RowInputs:
+        layers = sorted(plan.checks)
+        (src, dst, deltas, placed), _ = self._packed([plan.src_slots, plan.dst_slots, plan.deltas, plan.placed],
+                                                     torch.int64)
+        qsls, _ = self._packed([plan.checks[i][1] for i in layers], torch.int32)
+        return RowInputs(src, dst, deltas, placed.bool(),
+                         {i: RowSelection(plan.checks[i][0], q) for i, q in zip(layers, qsls)})
 
     def _packed(self, arrays, dtype):
         """Device views of `arrays` packed into one buffer (one host-to-device copy); each view starts
@@ -218,8 +221,8 @@ class ModelRunner:
         # Only greedy tokens can feed the next step before sampling: a drawn token exists only after it.
         self.last_tokens = tokens
         self.last_rows = {s.seq_id: i for i, s in enumerate(sampled) if s.sampling_params.greedy}
-        blend = None if host.blend is None else (host.blend, self.last_blend.kept)
-        return Launched(sampled, logits, host_tokens, ready, host.needs_logits, blend)
+        rows = None if host.row_plan is None else (host.row_plan, self.last_row_plan.kept)
+        return Launched(sampled, logits, host_tokens, ready, host.needs_logits, rows)
 
     @torch.inference_mode()
     def run_host(self, host: HostStep) -> None:
@@ -233,7 +236,7 @@ class ModelRunner:
         """(logits [N, vocab] or None, greedy tokens int64 [N]) of a prepared step. Under tensor parallelism the
         forward leaves each rank its vocabulary slice; the tokens come from the slices' maxima, and the logits
         are gathered whole only when the step samples from them (HostStep.needs_logits): gathering [N, vocab]
-        to every rank took about 3% of a 256-row decode step of a 128k vocabulary on two H200s."""
+        to every rank is a measurable share of a decode step (docs/BENCHMARKS.md, "Behind the code")."""
         logits, tokens = self.forward(host)
         tp = self.tp
         if tp is None:
@@ -254,15 +257,15 @@ class ModelRunner:
             return self.graphs.replay(host, key, self.tables.table, self.last_tokens)
         self.launches[kind, "eager"] += 1
         inp = self._upload(host)
-        logits = self.model.forward(inp, self.kv.layers, tail=self._blend_tail if self.graphs.tail_rows else None)
-        self.last_blend = inp.blend
+        logits = self.model.forward(inp, self.kv.layers, tail=self._tail if self.graphs.tail_rows else None)
+        self.last_row_plan = inp.row_plan
         return logits, None
 
-    def _blend_tail(self, state) -> torch.Tensor | None:
-        """A blended step's layers after its check layers, as a tail graph's replay where one holds them."""
-        logits = self.graphs.blend_tail(state)
+    def _tail(self, state) -> torch.Tensor | None:
+        """A row-planned step's layers after its check layers, as a tail graph's replay where one holds them."""
+        logits = self.graphs.replay_tail(state)
         if logits is not None:
-            self.launches["blend tail", "graph"] += 1
+            self.launches["tail", "graph"] += 1
         return logits
 
     def _warm_up(self):
@@ -281,13 +284,9 @@ class ModelRunner:
                 for d in (0, 1, 16, 17):
                     if chunks or d:
                         self.model.forward(self._upload(synthetic_step(chunks, d)), self.kv.layers)
-                if chunks and self.tp is None:   # blended prefills: explicit positions, K/V placed (in place here)
-                    inp = self._upload(synthetic_step(chunks, 0))
-                    slots = torch.arange(len(inp.input_ids), device=self.device)
-                    inp.blend = BlendInputs(slots, slots, torch.zeros_like(slots), torch.zeros_like(slots, dtype=bool),
-                                            {})
-                    inp.explicit_positions = True
-                    self.model.forward(inp, self.kv.layers)
+                if chunks and self.tp is None:   # a row plan's prefills: explicit positions, K/V placed (in place)
+                    self.model.forward(self._upload(replace(synthetic_step(chunks, 0), row_plan=HostRows.in_place(
+                        sum(chunks)))), self.kv.layers)
             self.model.warm_up_deterministic(self.engine_config.max_num_batched_tokens)
         torch.cuda.synchronize(self.device)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from chunkwise.engine.page_pool import PageChanges
+from chunkwise.engine.page_changes import PageChanges
 
 
 class PageTables:

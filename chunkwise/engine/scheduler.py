@@ -18,8 +18,11 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from chunkwise.engine.blend import BlendJob, plan_blend
-from chunkwise.engine.page_pool import PageChanges, PagePool
+from typing import Protocol
+
+from chunkwise.engine.page_changes import PageChanges
+from chunkwise.engine.page_pool import PagePool
+from chunkwise.engine.row_plan import RowPlan
 from chunkwise.engine.sequence import Sequence, SequenceStatus
 
 
@@ -31,7 +34,7 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)   # computed this step from seq.num_computed_tokens
     preempted: list[Sequence] = field(default_factory=list)
     page_changes: PageChanges = field(default_factory=PageChanges.none)   # to apply to page tables before it runs
-    blends: dict[int, BlendJob] = field(default_factory=dict)   # seq id -> its blended prefill in this step
+    row_plans: dict[int, RowPlan] = field(default_factory=dict)   # seq id -> its prefill's row plan in this step
     # Per seq, fixed at scheduling time (`advance` moves num_computed_tokens on): the tokens it has computed
     # once this step is done, and whether this step computes its last token, so the engine samples its next.
     ends: list[int] = field(init=False)
@@ -85,11 +88,22 @@ class _Plan:
         return ScheduledBatch([s for s, _ in entries], [n for _, n in entries], self.preempted, changes)
 
 
+class RowPlanner(Protocol):
+    """What plans a step's prefills that compute only some rows (chunkwise/engine/row_plan.py)."""
+
+    def plan(self, seq: Sequence, pool: PagePool) -> RowPlan | None:
+        """The row plan of seq's prefill in the step being scheduled (after all its allocations), or None."""
+
+    def approximate_from(self, seq: Sequence) -> int | None:
+        """Where seq's K/V stop being exact (never cached past it), None when they are exact."""
+
+
 class Scheduler:
-    def __init__(self, config, page_pool: PagePool, eos_token_ids=()):
+    def __init__(self, config, page_pool: PagePool, eos_token_ids=(), row_planner: RowPlanner | None = None):
         """`config`: the engine's EngineConfig (its max_num_batched_tokens and max_num_seqs are read)."""
         self.engine_config = config
         self.page_pool = page_pool
+        self.row_planner = row_planner
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []        # sorted by arrival: the newest is last
@@ -156,14 +170,14 @@ class Scheduler:
         return self._batch(plan)
 
     def _batch(self, plan: _Plan) -> ScheduledBatch:
-        """The plan's step, with its blended prefills resolved against the prefix cache after every allocation of
-        the step (chunkwise/engine/blend.py): a cached page then is not overwritten before the step reads it."""
+        """The plan's step, with its row plans made against the prefix cache after every allocation of the step
+        (a blend's, chunkwise/engine/blend/): a cached page then is not overwritten before the step reads it."""
         batch = plan.batch(self.page_pool)
-        for s in batch.seqs:
-            if s.blend is not None and s.num_preemptions == 0 and s.num_computed_tokens < s.num_prompt_tokens:
-                batch.blends[s.seq_id] = plan_blend(s.blend, s.pieces, s.num_computed_tokens, self.page_pool,
-                                                    self.engine_config.model_config.num_layers)
-                s.blended_from = s.num_computed_tokens
+        if self.row_planner is not None:
+            for s in batch.seqs:
+                rows = self.row_planner.plan(s, self.page_pool)
+                if rows is not None:
+                    batch.row_plans[s.seq_id] = rows
         return batch
 
     def _chunk(self, seq: Sequence, plan: _Plan, computed: int | None = None) -> int:
@@ -203,7 +217,6 @@ class Scheduler:
         self.page_pool.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
-        seq.blended_from = None   # its recompute is exact
         self.waiting.appendleft(seq)
         plan.preempted.append(seq)
 
@@ -259,8 +272,9 @@ class Scheduler:
         finished = []
         for seq, end, samples in live:
             if seq.status is SequenceStatus.RUNNING:
-                # A blended sequence's K/V are approximate from its exact prefix on: never shared as exact.
-                self.page_pool.commit(seq, end if seq.blended_from is None else min(end, seq.blended_from))
+                # K/V a row plan placed are approximate from where it starts: never shared as exact.
+                approx = self.row_planner.approximate_from(seq) if self.row_planner is not None else None
+                self.page_pool.commit(seq, end if approx is None else min(end, approx))
             if not samples:
                 continue
             token = sampled[seq.seq_id]

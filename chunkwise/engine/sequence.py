@@ -4,7 +4,6 @@ from __future__ import annotations
 import enum
 import itertools
 
-from chunkwise.chunks import Blend
 from chunkwise.requests import Request, expand_chunk_sizes
 from chunkwise.sampling import SamplingParams
 from chunkwise.tokenizer import all_ints, is_int
@@ -46,8 +45,7 @@ class Sequence:
         again cost as much host time as the rest of its admission."""
         seq = cls.__new__(cls)
         seq._start(-1, request.prompt_token_ids, request.params, request.chunk_sizes)
-        seq.pieces = request.pieces
-        seq.blend = request.reuse if isinstance(request.reuse, Blend) and request.pieces is not None else None
+        seq.request = request
         return seq
 
     def _start(self, seq_id: int, prompt_token_ids: list[int], sampling_params: SamplingParams | None,
@@ -68,16 +66,17 @@ class Sequence:
         self.finish_reason: str | None = None
         self.logprobs: list[dict[int, float]] | None = None   # one dict per generated token, when asked for
         self.error: str | None = None          # why the request failed (finish_reason "error")
-        self.pieces = None                     # a composite prompt's pieces (chunkwise/chunks.py), for its report
-        self.blend: Blend | None = None        # blend mode's parameters (chunkwise/engine/blend.py)
-        # Where this sequence's blended K/V start (its exact prefix's end), while it holds them: from there on its
-        # pages are approximate and never enter the prefix cache. None when its K/V are exact.
-        self.blended_from: int | None = None
-        self.chunk_reuse = None                # a blended prefill's ChunkReuse report, once its step is sampled
+        # The validated request it came from (its pieces and reuse mode), None for a sequence built from ids.
+        self.request: Request | None = None
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
                 f"pages={self.page_table}, {self.status.name})")
+
+    @property
+    def pieces(self):
+        """A composite prompt's pieces (chunkwise/chunks.py), for its report; None for a plain prompt."""
+        return self.request.pieces if self.request is not None else None
 
     @property
     def num_tokens(self) -> int:

@@ -1,9 +1,8 @@
 """One-shot all-reduce through peer memory, optionally fused with the residual add and RMSNorm that follow it.
 
-For the small all-reduces of tensor-parallel decode steps (o_proj and down_proj outputs, [rows, hidden]): 64 rows of
-4096 bf16, 66 calls replayed back to back in a CUDA graph on two H200s, take 7.4 us a call here at one program per SM,
-10.8 us in PyTorch's symmetric-memory one-shot all-reduce, 22.5 us in NCCL. Large ones (prefill) stay on NCCL, which
-is as fast there.
+For the small all-reduces of tensor-parallel decode steps (o_proj and down_proj outputs, [rows, hidden]), where it
+is faster than PyTorch's symmetric-memory one-shot all-reduce and NCCL (docs/BENCHMARKS.md, "Behind the code:
+all_reduce"). Large ones (prefill) stay on NCCL, which is as fast there.
 
 Layouts (N = world size, P = programs, fixed per set of buffers; cap = elements per rank's region):
     x, out, residual, residual_out:  [rows, hidden], contiguous, rows * hidden <= cap
@@ -148,7 +147,7 @@ def _all_reduce_kernel(
 class PeerBuffers:
     """One rank's view of the buffers of one all-reduce group (see the module docstring for each): every rank's
     receive buffer and flags as addresses in this process (peers' mapped in by
-    chunkwise/engine/parallel/peer_memory.py, or plain tensors of one device when every rank is simulated on it),
+    chunkwise/engine/distributed/peer_memory.py, or plain tensors of one device when every rank is simulated on it),
     `cap` elements per rank region, and this rank's ticket counter and control words (`abort()`, `gave_up()`). Every
     rank's flags must be zero before any rank's first call."""
 

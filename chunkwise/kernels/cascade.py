@@ -55,7 +55,7 @@ from chunkwise.kernels.tiling import next_power_of_2, precision_for
 # fewer times a shared split is read. Split-KV's row sums come from a dot (see `_split_partial`), so a row's
 # bits do not depend on the tile's height or warp count: on an H200, tiles of 16 to 256 rows, on 4 or 8 warps
 # (wgmma from 64 rows), gave split-KV's bits, where tl.sum's layout-dependent order had made 64 rows differ.
-# 64 rows read a 4096-token shared prompt 3x faster than split-KV's 16 (128 or 256 rows no faster). Tiles of
+# 64 rows read a shared prompt faster than split-KV's 16 (docs/BENCHMARKS.md, "Behind the code"). Tiles of
 # 64 and 128 rows were verified there with head_dim 128 in float32, float16 and bfloat16; a head_dim above 128
 # takes proportionally fewer rows, so no tile outgrows the verified footprint (a 256-row tile of a batched-dot
 # variant outgrew shared memory).

@@ -1,8 +1,8 @@
 """vLLM's FlashAttention-3 over the paged cache: the default mode's prefill attention where it is installed on
 Hopper and asked for (`EngineConfig.attention_backend="fa3"`). Its PyTorch twin is `paged_attention_ref`.
 
-Why another library's kernel: on an H100, over the same paged cache and page tables, FA3's plain causal prefill
-ran at cuDNN's speed, 1.3-1.6x `paged_attention` (docs/BENCHMARKS.md). What it does and Triton 3.6 cannot express
+Why another library's kernel: over the same paged cache and page tables, FA3's plain causal prefill runs at
+cuDNN's speed, faster than `paged_attention` (docs/BENCHMARKS.md). What it does and Triton 3.6 cannot express
 on Hopper is the register split between producer and consumer warpgroups. The engine's own kernel stays the
 default, and the only one in deterministic mode, whose decodes must give the prefill's bits.
 

@@ -30,9 +30,8 @@ def matmul_ref(x, w):
     return (x.float() @ w.float().t()).to(x.dtype)
 
 
-# Tiles for steps of at least 128 rows, largest first, each taken when it alone gives every SM a program. On an H200
-# (bf16, Qwen3-0.6B's weights) the largest took 0.45-0.68x the 64-row tile's time at 2048-8192 rows (0.64x for the
-# LM head's 256), the 128x128 0.69x at 2048 rows of the 1024-wide o_proj; cuBLAS takes 0.67-0.87x of theirs.
+# Tiles for steps of at least 128 rows, largest first, each taken when it alone gives every SM a program
+# (measured: docs/BENCHMARKS.md, "Behind the code: WIDE_TILES").
 WIDE_TILES = ((128, 256, 64, 8, 3), (128, 128, 64, 8, 3))
 
 

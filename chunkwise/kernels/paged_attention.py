@@ -52,30 +52,11 @@ def tile_config(head_dim, group, dtype, shared_memory=0, max_rows=256, busy=Fals
     device whose blocks may take `shared_memory` bytes (0: the CPU's interpreter); max_rows (64, 128 or 256) caps
     the rows where the GQA group allows. busy: a decode batch with programs enough for two an SM (`paged_decode`).
 
-    Picked on an H200 by benchmarks/sweep_kernels.py (bf16, d128, 32q/8kv): 128x128 tiles with 8 warps ran
-    chunked prefill at ~245 TFLOP/s against ~210 for 64x64. On Hopper the rows double to 256: over the
-    prefill-heavy engine's chunk shapes (Qwen3's 16q/8kv, 2k-8k new tokens after 0-4k cached) 12% less time
-    than 128 rows on an H200 (6% less than 128 rows on three stages; 16 warps or 64-key tiles were slower),
-    with the same bits on every shape measured. 64 rows (one warpgroup, the same 128-key tiles) are for batches of
-    one-token queries, mostly padding in taller tiles: on an H100 decode batches took 15-17% less time on them
-    than on 128 rows, with the same bits as 128 rows on every shape measured (decode batches and prefill chunks,
-    16 and 32 query heads over 8), while larger prefill chunks were slower. On Hopper those 64-row tiles take three
-    stages (144 KB of shared memory in their sm_90 build, as on two: tests/hopper_compile.py; measured only there,
-    so two elsewhere): on an H100 (16q/8kv, CUDA-graph replays) 256 decodes at 100-2048 tokens took 537.2 us against
-    588.6 on two stages, 64 at 4096-8192 695.8 against 846.0, 16 at 1000 36.6 against 40.1 (an H200: 510.8 against
-    550.2, 665.2 against 767.4, 33.8 against 36.5), with the 128-row tiles' bits on every shape measured (stages
-    pipeline the loads; the arithmetic is the same). Tiles of 16 or 32 rows were faster still for decodes (409-421 us
-    on the first shape) but Triton lowers their dots to mma.sync rather than wgmma, and their bits differed from
-    the 128-row tiles' on every batch measured (with tl.sum's row sums, whose order follows the tile's layout; with
-    row sums by dot they agree: decode_tile_config). fp32 tiles of 128 rows overflow shared memory, and d256 keeps small
-    tiles for registers.
-    Busy decode batches take those 64-row tiles unpipelined (one stage): pipelined, a block holds two K and two V
-    tiles (144 KB of shared memory, on two stages as on three), so one block an SM, its one warpgroup waiting
-    between loads; on one stage 48 KB, and its 255 registers allow two blocks an SM, each one's loads behind the
-    other's arithmetic. On an H200 (`paged_decode`, 16q/8kv) 256 decodes at 600 / 1024 tokens took 221.3 / 347.2
-    us against 273.9 / 419.5 on three stages, 64 at 4096 336.1 against 426.1; with too few programs for two an SM
-    it loses (8 at 32768: 1066.3 against 764.3), as where each block's fixed cost outweighs its loads (256 at 128:
-    101.5 against 84.3). The same bits on each.
+    256 rows on Hopper, 128 elsewhere; 64 rows (one warpgroup) for one-token queries, on three stages on Hopper
+    (one when busy); fp32 tiles of 128 rows overflow shared memory, and d256 keeps small tiles for registers.
+    Every choice gives a row the 128-row tiles' bits on every shape measured; 16- or 32-row tiles do not (with
+    tl.sum's row sums; with row sums by dot they do: decode_tile_config). Measurements: docs/BENCHMARKS.md,
+    "Behind the code: tile_config".
     """
     if head_dim <= 128 and dtype != torch.float32:
         rows = 256 if shared_memory >= HOPPER_SHARED_MEMORY and max_rows >= 256 else min(128, max_rows)
@@ -92,12 +73,8 @@ def decode_tile_config(head_dim, group, dtype, shared_memory=0):
     depend on the tile: the group's rows padded to 16 (the fewest tl.dot takes) over tile_config's key tiles (the
     tiles a row folds, and their order, must be the prefill's), 4 warps, three stages on Hopper (two elsewhere).
 
-    On an H200 (16q/8kv bf16, 128-key tiles) these took 0.74x the 64-row tiles' time for 256 decodes at 600
-    tokens (163.7 us against 221.2; split-KV 172.4), 0.69x for 128 at 100-1224 (101.7 / 147.4; split-KV 102.8),
-    0.89x for 64 at 4096 (298.2 / 334.8; split-KV 267.0) and 0.82x for 8 at 6000 (124.2 / 152.3; split-KV 76.9),
-    with the bits of 64-, 128- and 256-row tiles on every batch measured (bf16 and fp16; 16q/8kv, 32q/8kv, 8q/1kv
-    with a window), though their dots lower to mma.sync and the taller tiles' to wgmma. One stage (the 64-row
-    tiles' busy rule) took 1.2-1.5x the time; two stages as three, 8 warps 0.86-1.05x.
+    They give the bits of 64-, 128- and 256-row tiles on every batch measured, though their dots lower to mma.sync
+    and the taller tiles' to wgmma. Measurements: docs/BENCHMARKS.md, "Behind the code: decode_tile_config".
     """
     block_n = tile_config(head_dim, group, dtype, shared_memory)[1]
     return max(16, next_power_of_2(group)), block_n, 4, 3 if shared_memory >= HOPPER_SHARED_MEMORY else 2
@@ -399,8 +376,8 @@ def paged_attention(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc,
 
     sum_by_dot: each row's sum of probabilities by a dot with ones, not a reduction over the tile's layout
     (`attend_tiles`' SUM_BY_DOT), so a row's bits do not depend on the tile at all: `paged_decode(...,
-    sum_by_dot=True)`'s 16-row tiles give them too. Other bits than without it; 1.14-1.17x the time of 256-row
-    prefill tiles on an H200 (16q/8kv bf16, chunks of 512-8192 rows), whose extra dot crowds their registers.
+    sum_by_dot=True)`'s 16-row tiles give them too. Other bits than without it, and slower in 256-row
+    prefill tiles, whose extra dot crowds their registers (docs/BENCHMARKS.md, "Behind the code: sum_by_dot").
     Deterministic mode takes it everywhere.
 
     positions (int64 [num_tokens]) places each row explicitly (see the module docstring); a row at the same

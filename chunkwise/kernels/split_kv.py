@@ -290,7 +290,7 @@ def launch_splits(q, k_cache, v_cache, page_tables, seq_lens, scale, sliding_win
         PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=head_dim, D_PAD=next_power_of_2(head_dim),
         BLOCK_H=block_h, BLOCK_N=block_n, USE_WINDOW=sliding_window is not None,
         PRECISION=precision_for(q.dtype),
-        # Page ids loaded once per tile: 2-3% faster decode on an H200 (page 16, 64-key tiles).
+        # Page ids loaded once per tile, not per key (faster: docs/BENCHMARKS.md, "Behind the code").
         PAGES_PER_TILE=pages_per_tile(page_size, block_n), HAS_START=start_split is not None,
         num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=False,
     )

@@ -15,6 +15,7 @@ import torch
 
 from chunkwise.chunks import Blend, Chunk, ChunkRegistry, reuse_report
 from chunkwise.engine_config import REFERENCE_IGNORED, EngineConfig
+from chunkwise.open_config import open_config
 from chunkwise.requests import single_prompt, validate_requests
 from chunkwise.sampling import RequestOutput, SamplingParams, make_generator, sample, token_logprobs
 from chunkwise.tokenizer import decode, load_tokenizer
@@ -28,7 +29,7 @@ class Engine:
 
     def __init__(self, model, **kwargs):
         """`kwargs`: EngineConfig's fields; those in `ignored_fields` are validated, then ignored."""
-        self.engine_config = config = EngineConfig(model, **kwargs)
+        self.engine_config = config = open_config(EngineConfig(model, **kwargs))
         self.model_config, self.tokenizer = config.model_config, load_tokenizer(config.path)
         self.dtype, self.device, self.max_model_len = config.dtype, config.device, config.max_model_len
         weights = load_weights(config.path, self.dtype, self.device, cfg=self.model_config)

@@ -13,8 +13,9 @@ Chunks: POST /v1/chunks registers one (`Engine.register_chunk`, run by the engin
 "chunk-<n>" after its engine id; GET lists those registered here; DELETE /v1/chunks/{id} unpins one. A completion's
 `chunkwise.prompt` composes them with text and ids into one composite prompt (`prompt` then absent or empty), with
 `chunkwise.reuse` "exact" or "blend" (`recompute_ratio`, `policy`: a `chunkwise.Blend`); each choice then carries
-`chunk_reuse`, the engine's report per piece. Chat has no such extension (a template's text around a chunk would
-not tokenize as the chunk's ids).
+`chunk_reuse`, the engine's report per piece. A chat message's content may hold `{"type": "chunk", "chunk":
+"chunk-<n>"}` parts: the template's text is spliced around the chunks' ids (chat.py), `chunkwise` then gives the
+reuse mode alone, and each choice carries `chunk_reuse` likewise.
 """
 from __future__ import annotations
 
@@ -33,10 +34,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chunkwise.chunks import BLEND_POLICIES, Blend, Chunk
 from chunkwise.limits import LIMIT
+from chunkwise.serve.chat import has_chunk_parts, splice_chat
 from chunkwise.serve.engine_core import EngineCore
 from chunkwise.serve.engine_loop import EngineLoop, Submission
-from chunkwise.serve.protocol import (APIError, ChatCompletionRequest, ChunkRequest, CompletionRequest, bad_request,
-                                      chunk_card, chunk_name, model_card, new_id, now, parse, reuse_card, usage)
+from chunkwise.serve.protocol import (APIError, ChatCompletionRequest, ChunkRequest, CompletionRequest, ReuseOptions,
+                                      bad_request, chunk_card, chunk_name, model_card, new_id, now, parse, reuse_card,
+                                      usage)
 from chunkwise.serve.stops import StopStrings
 from chunkwise.tokenizer import chat_prompt, encode_prompts, is_int
 
@@ -241,23 +244,27 @@ async def _generate(state: ServerState, request: Request, chat: bool):
     _check_serving(state, req.model)
     req.refuse_unsupported()
     engine = state.engine
-    composite = not chat and req.chunkwise is not None
-    if composite:
+    composite = req.chunkwise is not None or (chat and has_chunk_parts(req.messages))
+    if composite and chat:
+        prompt = _chat_chunks(state, req)
+        prompts, reuse, prompt_tokens = [list(prompt.pieces)], _reuse(engine, req.chunkwise), prompt.num_tokens
+    elif composite:
         pieces, reuse, prompt_tokens = _composite(state, req)
         prompts = [pieces]
     else:
         prompts = _chat_prompt(state, req) if chat else _completion_prompts(engine, req)
         reuse, prompt_tokens = "exact", sum(len(p) for p in prompts)
+    lengths = [prompt_tokens] if composite else [len(p) for p in prompts]
     stops = req.stop_strings()
     if stops and engine.tokenizer is None:
         raise bad_request(f"stop strings need a tokenizer, and {state.model_name} has none; use stop_token_ids",
                           "stop")
     k = _logprobs(state, req, chat)
     params = []
-    for ids in prompts:
+    for num_ids in lengths:
         if chat:
             max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None),
-                              max(1, engine.max_model_len - len(ids)))   # OpenAI's default: the room left
+                              max(1, engine.max_model_len - num_ids))   # OpenAI's default: the room left
         else:
             max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         params += [_engine_check(req.sampling_params, max_tokens, k, j) for j in range(req.n)]
@@ -271,7 +278,7 @@ async def _generate(state: ServerState, request: Request, chat: bool):
     try:
         request_ids = await asyncio.wrap_future(future)
     except (TypeError, ValueError) as e:
-        raise bad_request(str(e), "chunkwise.prompt" if composite else None) from None
+        raise bad_request(str(e), ("messages" if chat else "chunkwise.prompt") if composite else None) from None
     except RuntimeError as e:
         raise APIError(503, str(e)) from None
     except asyncio.CancelledError:   # the client left before the engine took the request: abort once it has
@@ -333,12 +340,17 @@ def _composite(state: ServerState, req: CompletionRequest) -> tuple[list, str | 
         raise bad_request('chunkwise.prompt must hold at least one {"chunk": ...} piece (a prompt of text and ids '
                           'alone goes in `prompt`)', "chunkwise.prompt")
     ids, _ = _engine_check(engine.chunks.pieces, pieces, engine.tokenizer, 0, param="chunkwise.prompt")
-    if ext.reuse == "exact":
+    return pieces, _reuse(engine, ext), len(ids)
+
+
+def _reuse(engine, ext: ReuseOptions | None) -> str | Blend:
+    """The `chunkwise` extension's reuse mode ("exact" without one); a 400 naming the field otherwise."""
+    if ext is None or ext.reuse == "exact":
         for name in ("recompute_ratio", "policy"):
-            if getattr(ext, name) is not None:
+            if ext is not None and getattr(ext, name) is not None:
                 raise bad_request(f'chunkwise.{name} applies to reuse="blend" only, and reuse is "exact"',
                                   f"chunkwise.{name}")
-        return pieces, "exact", len(ids)
+        return "exact"
     given = {k: getattr(ext, k) for k in ("recompute_ratio", "policy") if getattr(ext, k) is not None}
     try:
         blend = Blend(**given)
@@ -347,7 +359,7 @@ def _composite(state: ServerState, req: CompletionRequest) -> tuple[list, str | 
         raise bad_request(str(e), "chunkwise.policy" if bad_policy else "chunkwise.recompute_ratio") from None
     # the engine's own refusal (no prefix caching, tensor parallelism), checked on its immutable config
     _engine_check(engine.check_blend, blend, 0, param="chunkwise.reuse")
-    return pieces, blend, len(ids)
+    return blend
 
 
 def _completion_prompts(engine, req: CompletionRequest) -> list[list[int]]:
@@ -357,11 +369,26 @@ def _completion_prompts(engine, req: CompletionRequest) -> list[list[int]]:
     return _engine_check(encode_prompts, prompts, engine.tokenizer, engine.model_config)
 
 
-def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[list[int]]:
+def _chat_template(state: ServerState):
+    """The tokenizer, if it has a chat template; else a 400."""
     tokenizer = state.engine.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request(f"the model {state.model_name} has no chat template in its tokenizer (checkpoint "
                           f"{state.engine.engine_config.path}); use /v1/completions", "messages")
+    return tokenizer
+
+
+def _chat_chunks(state: ServerState, req: ChatCompletionRequest):
+    """A chat with chunk parts as a composite prompt (chat.py); a 400 naming the bad part or field."""
+    tokenizer = _chat_template(state)
+    if not has_chunk_parts(req.messages):
+        raise bad_request('chunkwise applies to a chat with {"type": "chunk"} content parts, and these messages '
+                          'have none', "chunkwise")
+    return splice_chat(tokenizer, req.messages, state.chunks)
+
+
+def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[list[int]]:
+    tokenizer = _chat_template(state)
     messages = req.chat()
     try:
         return [chat_prompt(tokenizer, messages)]
@@ -495,10 +522,10 @@ class _Reply:
         "chunk_reuse"]}, written as json.dumps writes that dict but without building it: this runs per token."""
         lp = json.dumps(self._logprobs(c, pairs)) if self.k is not None and pairs else "null"
         reason = "null" if finish_reason is None else _json_str(finish_reason)
+        reuse = f', "chunk_reuse": {json.dumps(c.chunk_reuse)}' if self.composite and finish_reason is not None else ""
         if self.chat:
             return (f'{{"index": {c.index}, "delta": {{"content": {_json_str(piece)}}}, "logprobs": {lp}, '
-                    f'"finish_reason": {reason}}}')
-        reuse = f', "chunk_reuse": {json.dumps(c.chunk_reuse)}' if self.composite and finish_reason is not None else ""
+                    f'"finish_reason": {reason}{reuse}}}')
         return f'{{"index": {c.index}, "text": {_json_str(piece)}, "logprobs": {lp}, "finish_reason": {reason}{reuse}}}'
 
     def _event(self, choices: list[str], usage: dict | None = None) -> str:

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import uvicorn
 
+from chunkwise.cli_parser import ArgumentParser
 from chunkwise.engine_config import ATTENTION_BACKENDS, DTYPES
 from chunkwise.serve.app import ServerState, build_app, check_server_options
 from chunkwise.serve.engine_core import EngineCore, EngineStartError, settled_heap
@@ -29,8 +30,8 @@ GRACEFUL_SHUTDOWN_S = 10   # after the aborts, how long open connections may tak
 KEEP_ALIVE_S = 15
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def parser() -> ArgumentParser:
+    p = ArgumentParser(
         prog="python -m chunkwise serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example:\n  python -m chunkwise serve --model tiny-qwen3 --port 8000\n"
                "  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\\n"
@@ -58,9 +59,9 @@ ENGINE_OPTIONS = ("dtype", "device", "page_size", "max_model_len", "num_pages", 
 
 
 # Where serving differs from the library's defaults. A step that decodes and prefills makes every decoding user
-# wait for its prefill: with 256 prefill tokens beside them (the full budget, 512, when nothing decodes) a mixed
-# step of the Qwen3-0.6B shape took 1.6x a decode-only step on an H100, against 2.1x with 512 (docs/BENCHMARKS.md,
-# Serving). The library keeps the budget alone, for offline throughput.
+# wait for its prefill, so serving caps the prefill beside decodes (the full budget still when nothing decodes;
+# measured: docs/BENCHMARKS.md, "Behind the code: SERVING_DEFAULTS"). The library keeps the budget alone, for
+# offline throughput.
 SERVING_DEFAULTS = {"max_prefill_tokens_with_decodes": 256}
 
 

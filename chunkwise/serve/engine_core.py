@@ -10,7 +10,7 @@ clients' inter-token latency grew with it. Here the engine runs in a spawned pro
   to validate a request before the engine sees it. The server's event loop itself receives the engine's messages
   (`attach`: a reader on the pipe) and routes outputs through `Streams`, which stamps the tokens' times there: one
   wake-up per step. A thread receiving them had to wake, take the GIL from the event loop, then wake the event loop
-  (on an H200 at 32 req/s its receipt and the routing were 0.10 ms apart at the median, 0.31 ms at p99). The
+  (measured: docs/BENCHMARKS.md, "Behind the code: engine_core"). The
   server's messages go out through a thread of their own (`_send_all`), so the event loop, the pipe's only reader,
   never blocks writing: an engine process blocked on a full pipe of outputs would never read the rest of a
   submission larger than the pipe holds.
@@ -331,8 +331,8 @@ class EngineCore:
 def settled_heap():
     """For a serving process, once built: collects, then keeps what lives now (modules, the engine, the app: a few
     hundred thousand objects once torch is imported) out of the garbage collector's full passes (gc.freeze), each
-    of which otherwise holds the GIL for 0.1-0.3 s: every stream stalled that long, at times, on an H200 at 32 req/s
-    (TTFT p99 300 ms against 53 ms driven directly). Unfrozen on exit, so that the process ends freeing it."""
+    of which otherwise holds the GIL long enough to stall every stream (docs/BENCHMARKS.md, "Behind the code:
+    settled_heap"). Unfrozen on exit, so that the process ends freeing it."""
     gc.collect()
     gc.freeze()
     try:

@@ -5,7 +5,8 @@ field is a 400 naming the field. Fields OpenAI defines that this server does not
 their defaults (a value that would change the output is a 400 naming the field), so a client never gets an answer
 that silently ignored what it asked. Extensions, as vLLM's server has them: `top_k`, `ignore_eos`,
 `stop_token_ids`; and chunkwise's own, namespaced: a completion's `chunkwise` object (a composite prompt of
-registered chunks, text and ids, and its reuse mode: `ChunkwiseOptions`), answered with `chunk_reuse` per choice,
+registered chunks, text and ids, and its reuse mode: `ChunkwiseOptions`) and a chat's (its reuse mode:
+`ReuseOptions`; its chunks are `{"type": "chunk"}` content parts), answered with `chunk_reuse` per choice,
 and the chunk registry's request (`ChunkRequest`, for /v1/chunks). Responses are plain dicts in OpenAI's shapes
 (`text_completion`, `chat.completion`, their streamed chunks, `list` of models), and `chunk` for a registered chunk.
 """
@@ -104,13 +105,17 @@ class _GenerationRequest(BaseModel):
                               ignore_eos=self.ignore_eos, stop_token_ids=tuple(self.stop_token_ids or ()))
 
 
-class ChunkwiseOptions(BaseModel):
-    """A completion's `chunkwise` extension: its prompt composed of pieces, and how cached K/V may be reused."""
+class ReuseOptions(BaseModel):
+    """A chat's `chunkwise` extension (its chunks are content parts): how cached K/V may be reused."""
     model_config = ConfigDict(extra="forbid", strict=True)
-    prompt: list[Any]                        # pieces: {"chunk": "chunk-<n>"}, text, or a list of token ids
     reuse: Literal["exact", "blend"] = "exact"
     recompute_ratio: float | None = None     # blend only; default Blend()'s
     policy: str | None = None                # blend only: "kv-deviation" or "chunk-heads"; default Blend()'s
+
+
+class ChunkwiseOptions(ReuseOptions):
+    """A completion's `chunkwise` extension: its prompt composed of pieces, and how cached K/V may be reused."""
+    prompt: list[Any]                        # pieces: {"chunk": "chunk-<n>"}, text, or a list of token ids
 
 
 class ChunkRequest(BaseModel):
@@ -159,20 +164,23 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     type: str
     text: str | None = None
+    chunk: str | None = None     # extension: {"type": "chunk", "chunk": "chunk-<n>"} (chunkwise/serve/chat.py)
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart]
     name: str | None = None
+    tool_call_id: str | None = None
 
     def text(self, index: int) -> str:
         if isinstance(self.content, str):
             return self.content
         for j, part in enumerate(self.content):
             if part.type != "text" or part.text is None:
-                raise bad_request(f"content part type {part.type!r} is not supported by this server (only text)",
+                raise bad_request(f"content part type {part.type!r} is not supported by this server (only text and "
+                                  f"chunk)",
                                   f"messages[{index}].content[{j}].type")
         return "".join(part.text for part in self.content)
 
@@ -182,6 +190,7 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    chunkwise: ReuseOptions | None = None    # extension: reuse of the chunk parts' K/V
     # OpenAI's, not implemented
     tools: list | None = None
     tool_choice: Any = None

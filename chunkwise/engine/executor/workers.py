@@ -46,8 +46,8 @@ from chunkwise.engine_config import EngineConfig
 from chunkwise.weights import load_weights
 from chunkwise.engine.host_step import HostStep
 from chunkwise.engine.model_runner import ModelRunner
-from chunkwise.engine.page_pool import PageChanges
-from chunkwise.engine.parallel.tensor_parallel import CollectiveGuard, TensorParallel
+from chunkwise.engine.page_changes import PageChanges
+from chunkwise.engine.distributed.tensor_parallel import CollectiveGuard, TensorParallel
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)   # one collective, and the start-up rendezvous
 CLOSE_GRACE_S = 10.0                         # a worker's time to exit after Close() before it is terminated

@@ -2,7 +2,7 @@
 all-reduce: for the all-reduces that fit its buffers (a decode step's [rows, hidden], up to MAX_BYTES a rank), NCCL
 for the rest.
 
-Each rank owns one buffer (receive slots, then flags) that every rank maps (chunkwise/engine/parallel/peer_memory.py).
+Each rank owns one buffer (receive slots, then flags) that every rank maps (chunkwise/engine/distributed/peer_memory.py).
 
 Building it is collective: every rank builds it at the same point, and only conditions that are the same on every
 rank decide whether it is used, so every call takes the same path on all ranks.
@@ -15,9 +15,9 @@ from typing import Callable
 import torch
 
 from chunkwise.kernels.all_reduce import PeerBuffers, push_all_reduce
-from chunkwise.engine.parallel.peer_memory import PeerMemory, native_atomics
+from chunkwise.engine.distributed.peer_memory import PeerMemory, native_atomics
 
-MAX_BYTES = 8 << 20   # per rank and call; above a few MB NCCL's ring is as fast (64 MB: 254 us either way, 2xH200)
+MAX_BYTES = 8 << 20   # per rank and call; above a few MB NCCL's ring is as fast (docs/BENCHMARKS.md)
 MAX_WORLD = 8         # one NVLink domain's GPUs
 
 

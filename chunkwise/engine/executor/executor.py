@@ -24,8 +24,9 @@ import torch
 from chunkwise.engine_config import EngineConfig
 from chunkwise.weights import load_weights
 from chunkwise.engine.host_step import HostStep, Launched
+from chunkwise.engine.model import Model
 from chunkwise.engine.model_runner import Forward, ModelRunner
-from chunkwise.engine.parallel.workers import ApplyPageChanges, GatherKV, StepMessage, Workers
+from chunkwise.engine.executor.workers import ApplyPageChanges, GatherKV, StepMessage, Workers
 from chunkwise.engine.sampler import Sampler
 
 Sampled = tuple[dict[int, int], dict[int, dict[int, float]]]   # tokens and logprobs per seq_id
@@ -34,9 +35,9 @@ Sampled = tuple[dict[int, int], dict[int, dict[int, float]]]   # tokens and logp
 class Executor:
     """One device, in this process."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, model_class: type = Model):
         weights = load_weights(config.path, config.dtype, config.device, cfg=config.model_config)
-        self._hold(ModelRunner(config, weights))
+        self._hold(ModelRunner(config, weights, model_class=model_class))
 
     def _hold(self, runner: ModelRunner) -> None:
         self.runner = runner
@@ -72,7 +73,10 @@ class Executor:
 class MultiprocExecutor(Executor):
     """Ranks 0..N-1: rank 0 in this process, the others in worker processes that run what it sends them."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, model_class: type = Model):
+        if model_class is not Model:   # the workers build their own Model
+            raise ValueError(f"model_class {model_class.__name__} is not supported with tensor_parallel_size="
+                             f"{config.tensor_parallel_size}: a stand-in model runs on one device")
         self.workers = workers = Workers(config)   # they load their shards while this process loads its own
         try:
             weights = load_weights(config.path, config.dtype, config.device, cfg=config.model_config,

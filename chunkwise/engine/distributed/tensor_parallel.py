@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from chunkwise.model_config import ModelConfig
-from chunkwise.engine.parallel.custom_all_reduce import CustomAllReduce, unusable
+from chunkwise.engine.distributed.custom_all_reduce import CustomAllReduce, unusable
 
 # torch >= 2.12 names all_gather_into_tensor all_gather_single (the old name warns there); same arguments.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

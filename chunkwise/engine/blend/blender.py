@@ -1,0 +1,59 @@
+"""The blend package's per-request records: the scheduler's row planner for blended prefills, and the source of
+their `chunk_reuse` reports. A sequence carries its request (whose `reuse` says whether it blends); what blending
+learns about it lives here, from its plan until the engine finishes it (`pop_report`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from chunkwise.chunks import Blend, ChunkReuse
+from chunkwise.engine.blend.planning import BlendJob, plan_blend
+from chunkwise.engine.blend.report import blend_report
+from chunkwise.engine.row_plan import HostRows, RowPlan
+
+
+@dataclass
+class _Record:
+    job: BlendJob                               # its last planned prefill
+    pieces: tuple                               # its request's pieces
+    report: tuple[ChunkReuse, ...] | None = None   # once that prefill's step is sampled
+
+
+class Blender:
+    """Plans blended prefills (`plan`, a `RowPlanner`) and reports them (`report`, `pop_report`)."""
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self.records: dict[int, _Record] = {}   # seq id -> its record, from its first plan until it finishes
+
+    def plan(self, seq, pool) -> RowPlan | None:
+        """The row plan of `seq`'s prefill in the step being scheduled, or None: a request that does not blend,
+        a prompt already computed, or a recompute after a preemption (exact)."""
+        request = seq.request
+        if (request is None or not isinstance(request.reuse, Blend) or request.pieces is None
+                or seq.num_preemptions or seq.num_computed_tokens >= seq.num_prompt_tokens):
+            return None
+        job = plan_blend(request.reuse, request.pieces, seq.num_computed_tokens, pool, self.num_layers)
+        self.records[seq.seq_id] = _Record(job, request.pieces)
+        return job.rows
+
+    def approximate_from(self, seq) -> int | None:
+        """Where `seq`'s K/V stop being exact (its blend's c0) while it holds blended K/V; None when they are exact
+        (never blended, or recomputed after a preemption)."""
+        record = self.records.get(seq.seq_id)
+        return None if record is None or seq.num_preemptions else record.job.start
+
+    def report(self, rows: HostRows, kept: torch.Tensor) -> None:
+        """Each blended prefill's ChunkReuse of a sampled step (`rows` its plan, `kept` the rows (layer-0 layout)
+        its forward computed at the last layer)."""
+        kept = kept.cpu().numpy()
+        for seq_id, first in rows.first_rows.items():
+            record = self.records.get(seq_id)
+            if record is not None:   # else finished since
+                record.report = blend_report(record.job, record.pieces, first, kept)
+
+    def pop_report(self, seq_id: int) -> tuple[ChunkReuse, ...] | None:
+        """A finished request's report (None if it blended no prefill that was sampled); forgets it."""
+        record = self.records.pop(seq_id, None)
+        return None if record is None else record.report

@@ -1,0 +1,49 @@
+"""A stand-in for the model's forward, so that the engine's host work can be run and timed alone.
+
+`HashLogitsModel` takes `Model`'s constructor and `forward` signatures but runs no layer and writes no K/V: the
+logits of each sampled row are a hash of its token id and position over the vocabulary. Every step still schedules,
+pages, builds its inputs, samples and appends tokens as with the real model, and a prompt gives the same tokens on
+every run and device (no generator: a CUDA graph can capture it). An engine runs it when its class says so:
+
+    class HostOnlyEngine(Engine):
+        model_class = HashLogitsModel
+
+(benchmarks/bench_host.py, the benchmarks' CPU tier). One device only: tensor parallelism refuses it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from chunkwise.model_config import ModelConfig
+from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE
+from chunkwise.engine.kv_cache import LayerCaches
+from chunkwise.engine.model import LayerState, StepInputs
+from chunkwise.engine.distributed.tensor_parallel import TensorParallel
+
+_MOD = 65521                     # a prime: every residue of a row's key gives a different argmax column
+_ROW, _COLUMN = 40503, 2654435 % _MOD
+
+
+class HashLogitsModel:
+    """Model's interface with logits [N, vocab] float32 in [0, 1) hashed from each sampled row's id and position."""
+
+    reduce_in_norm = False   # the runner's warm-up asks: no all-reduce here
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], split_size: int = DEFAULT_SPLIT_SIZE,
+                 deterministic: bool = False, tp: TensorParallel | None = None, fa3_prefill: bool = False):
+        if tp is not None:
+            raise ValueError(f"{type(self).__name__} runs on one device; got tensor parallelism over {tp.size} ranks")
+        self.cfg = cfg
+        device = weights["model.embed_tokens.weight"].device
+        self.columns = torch.arange(cfg.vocab_size, dtype=torch.int64, device=device) * _COLUMN
+
+    def forward(self, inp: StepInputs, kv_caches: LayerCaches,
+                tail: Callable[[LayerState], torch.Tensor | None] | None = None) -> torch.Tensor:
+        rows = inp.logits_indices
+        key = (inp.input_ids[rows] % _MOD * _ROW + inp.positions[rows]) % _MOD
+        return ((key[:, None] + self.columns[None, :]) % _MOD).to(torch.float32) / _MOD
+
+    def warm_up_deterministic(self, max_rows: int) -> None:
+        """Nothing to compile."""

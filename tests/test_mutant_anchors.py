@@ -1,0 +1,165 @@
+"""How scripts/mutants.py anchors a mutant, on small files written here (not the tree, so the CI selection that
+plants the catalogue's bugs can hold this file): a pattern is matched in its function ignoring whitespace and
+comments, a line pattern takes its line's comment, an edit is re-indented level by level, a moved function is
+found, and an old-format entry is anchored in its innermost function, telling apart texts that only their
+indentation told apart."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parent.parent / "scripts" / "mutants.py"
+_spec = importlib.util.spec_from_file_location("mutants", _PATH)
+mutants = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("mutants", mutants)     # dataclasses look their module up by name
+_spec.loader.exec_module(mutants)
+Mutant = mutants.Mutant
+
+POOL = """\
+import math
+
+
+class Pool:
+    def free(self, seq):
+        for page_id in reversed(seq.table):  # tail first
+            page = self.pages[page_id]
+            if page.refs < 1:
+                raise ValueError(page_id)
+            page.refs -= 1
+        seq.table = []
+
+    def take(self, seq):
+        if seq.table:
+            page = self.pages[seq.table[-1]]
+        return page
+
+
+def area(r):
+    return math.pi * r * r
+"""
+
+# POOL reformatted: indentation doubled, a call re-wrapped, a comment and blank lines added, an unrelated
+# function renamed.
+POOL_REFORMATTED = """\
+import math
+
+
+class Pool:
+        def free(self, seq):
+
+                for page_id in reversed(  # the last page first
+                        seq.table):
+                        page = self.pages[page_id]
+
+                        if page.refs < 1:
+                                raise ValueError(page_id)
+                        page.refs -= 1
+                seq.table = []
+
+        def take(self, seq):
+                if seq.table:
+                        page = self.pages[seq.table[-1]]
+                return page
+
+
+def circle_area(r):
+    return math.pi * r * r
+"""
+
+LOOP = "        for page_id in reversed(seq.table):\n            page = self.pages[page_id]\n"
+CHECK = "            if page.refs < 1:\n                raise ValueError(page_id)\n            page.refs -= 1\n"
+
+
+def _tree(tmp_path: Path, **files: str) -> "mutants.Sources":
+    for name, text in files.items():
+        (tmp_path / "chunkwise").mkdir(exist_ok=True)
+        (tmp_path / "chunkwise" / f"{name}.py").write_text(text)
+    return mutants.Sources(tmp_path)
+
+
+def _plant(tmp_path, m, **files) -> str:
+    return mutants.resolve(m, _tree(tmp_path, **files)).mutated
+
+
+def test_a_line_pattern_replaces_its_whole_line_comment_included(tmp_path):
+    m = Mutant("head_first", "chunkwise/pool.py::Pool.free", "        for page_id in reversed(seq.table):\n",
+               "        for page_id in seq.table:\n", "frees head first")
+    assert _plant(tmp_path, m, pool=POOL) == POOL.replace("reversed(seq.table):  # tail first", "seq.table:")
+
+
+def test_a_pattern_is_found_whatever_the_whitespace_and_comments_around_its_code(tmp_path):
+    m = Mutant("head_first", "chunkwise/pool.py::Pool.free", LOOP, LOOP.replace("reversed(seq.table)", "seq.table"),
+               "frees head first")
+    planted = _plant(tmp_path, m, pool=POOL_REFORMATTED)
+    assert "                for page_id in seq.table:\n                        page = self.pages[page_id]\n\n" \
+           in planted
+    assert "reversed" not in planted
+
+
+def test_an_edit_is_reindented_level_by_level(tmp_path):
+    m = Mutant("refs_never_checked", "chunkwise/pool.py::Pool.free", CHECK,
+               "            if False:\n                raise ValueError(page_id)\n"
+               "            if page.refs:\n                    page.refs -= 1\n", "never checks refs")
+    planted = _plant(tmp_path, m, pool=POOL_REFORMATTED)
+    assert ("                        if False:\n                                raise ValueError(page_id)\n"
+            "                        if page.refs:\n                                    page.refs -= 1\n") in planted
+    compile(planted, "pool.py", "exec")
+
+
+def test_the_pattern_is_looked_for_in_its_function_only(tmp_path):
+    page = "            page = self.pages[seq.table[-1]]\n"
+    m = Mutant("last_page_twice", "chunkwise/pool.py::Pool.take", page, page.replace("-1", "-2"), "takes the page")
+    assert _plant(tmp_path, m, pool=POOL) == POOL.replace("seq.table[-1]", "seq.table[-2]")
+    with pytest.raises(mutants.AnchorError, match="last_page_twice: Pool.free in chunkwise/pool.py no longer holds"):
+        _plant(tmp_path, Mutant("last_page_twice", "chunkwise/pool.py::Pool.free", page, page, "-"), pool=POOL)
+
+
+def test_a_moved_function_is_found_in_the_one_other_file_that_holds_it_and_its_pattern(tmp_path):
+    m = Mutant("area_halved", "chunkwise/pool.py::area", "math.pi * r * r", "math.pi * r * r / 2", "halves it")
+    shapes = "import math\n\n\ndef area(r):\n    return math.pi * r * r\n"
+    sources = _tree(tmp_path, pool=POOL.replace("def area", "def circle_area"), shapes=shapes,
+                    other="def area(r):\n    return r * r\n")
+    r = mutants.resolve(m, sources)
+    assert (r.path, r.moved, r.mutated) == ("chunkwise/shapes.py", True, shapes.replace("r * r", "r * r / 2"))
+    assert mutants.moved([m], root=tmp_path) == [
+        "area_halved: moved: update path chunkwise/pool.py -> chunkwise/shapes.py (`python scripts/mutants.py "
+        "--anchor`)"]
+
+
+def test_anchor_takes_the_innermost_function_and_drops_comments(tmp_path):
+    sources = _tree(tmp_path, pool=POOL)
+    m = mutants.anchor("head_first", "chunkwise/pool.py", "        for page_id in reversed(seq.table):  # tail first\n",
+                       "        for page_id in seq.table:\n", "frees head first", sources)
+    assert (m.where, m.old) == ("chunkwise/pool.py::Pool.free", "        for page_id in reversed(seq.table):\n")
+    m = mutants.anchor("pi_rounded", "chunkwise/pool.py", "import math\n", "import math\nmath.pi = 3\n", "-", sources)
+    assert m.where == "chunkwise/pool.py::<module>"
+
+
+def test_anchor_tells_apart_texts_that_only_indentation_told_apart(tmp_path):
+    twice = "def f(x):\n    if x:\n        return g(\n            x)\n    return g(\n        x)\n"
+    sources = _tree(tmp_path, twice=twice)
+    old, new = "        return g(\n            x)\n", "        return g(\n            -x)\n"
+    m = mutants.anchor("negated", "chunkwise/twice.py", old, new, "-", sources)
+    assert m.where == "chunkwise/twice.py::f" and m.old == "    if x:\n" + old
+    assert mutants.resolve(m, sources).mutated == twice.replace(old, new)
+
+
+def test_a_mutant_whose_file_is_gone_is_found_where_its_function_went_or_fails_by_name(tmp_path):
+    m = Mutant("area_halved", "chunkwise/geometry.py::area", "math.pi * r * r", "math.pi * r * r / 2", "halves it")
+    sources = _tree(tmp_path, shapes="import math\n\n\ndef area(r):\n    return math.pi * r * r\n")
+    assert mutants.resolve(m, sources).path == "chunkwise/shapes.py"
+    gone = Mutant("gone", "chunkwise/geometry.py::volume", "r * r * r", "r * r", "-")
+    assert mutants.validate([gone], root=tmp_path) == ["gone: chunkwise/geometry.py does not exist"]
+
+
+def test_a_file_that_is_not_python_is_one_span_whose_hashes_are_text(tmp_path):
+    readme = "# Composing\n\n```python\ndoc_b = eng.register_chunk(b)  # the second\nprint(doc_b)\n```\n"
+    (tmp_path / "README.md").write_text(readme)
+    sources = mutants.Sources(tmp_path)
+    m = mutants.anchor("renamed", "README.md", "doc_b = eng.register_chunk(b)  # the second\n",
+                       "doc_2 = eng.register_chunk(b)  # the second\n", "-", sources)
+    assert (m.where, m.old) == ("README.md::<module>", "doc_b = eng.register_chunk(b)  # the second\n")
+    assert mutants.resolve(m, sources).mutated == readme.replace("doc_b = eng", "doc_2 = eng")
+    heading = Mutant("heading", "README.md::<module>", "# Composing\n", "# Composition\n", "-")
+    assert mutants.resolve(heading, sources).mutated == readme.replace("Composing", "Composition")
