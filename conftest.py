@@ -72,6 +72,8 @@ SMOKE = (
     "tests/test_serve.py::test_a_prompt_of_any_other_shape_is_a_400_naming_prompt",
     "tests/test_serve.py::test_a_field_of_the_wrong_type_is_a_400_naming_its_path",
     "tests/test_serve.py::test_chat_content_parts_join_and_a_part_other_than_text_is_named",
+    "tests/test_limits_table.py::test_the_table_declares_exactly_the_specified_limits",
+    "tests/test_limits_table.py::test_no_validator_compares_against_a_bound_outside_the_table",
     "tests/test_limits.py::test_each_engine_config_value_inside_its_limits_is_accepted_and_outside_refused_naming_it",
     "tests/test_limits.py::test_engine_config_defaults_resolve_as_documented_on_the_cpu",
     "tests/test_limits.py::test_the_default_cpu_pool_holds_every_running_sequence_at_full_length_below_the_cap",

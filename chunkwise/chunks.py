@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from chunkwise.limits import LIMIT
 from chunkwise.tokenizer import all_ints
 
 REUSE_MODES = ("exact", "blend")           # the names a request may give; "blend" means Blend()
@@ -52,7 +53,7 @@ class Blend:
     def __post_init__(self):
         r = self.recompute_ratio
         # bool is an int; NaN fails both comparisons
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not LIMIT["recompute_ratio"].admits(r):
             raise ValueError(f"Blend recompute_ratio must be a number in [0, 1], got {r!r}")
         if self.policy not in BLEND_POLICIES:
             raise ValueError(f"Blend policy must be one of {list(BLEND_POLICIES)}, got {self.policy!r}")
@@ -152,9 +153,11 @@ class ChunkRegistry:
         if isinstance(prompt, Chunk):
             raise TypeError(f"register_chunk takes text or a list of token ids, got {prompt!r}")
         ids, _ = self._piece(prompt, tokenizer, "the chunk")
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        limit = LIMIT["chunk_token_id"]
+        bad = limit.first_outside(ids, vocab_size=vocab_size)
         if bad is not None:
-            raise ValueError(f"the chunk holds token id {bad!r}, outside the vocabulary [0, {vocab_size})")
+            raise ValueError(f"the chunk holds token id {bad!r}, outside the vocabulary "
+                             f"{limit.interval(vocab_size=vocab_size)}")
         return ids
 
     def pieces(self, prompt, tokenizer, index: int) -> tuple[list, tuple[Piece, ...]]:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from chunkwise.limits import LIMIT
 from chunkwise.model_config import ModelConfig
 from chunkwise.tokenizer import is_int
 
@@ -36,9 +37,17 @@ REFERENCE_IGNORED = ("page_size", "num_pages", "gpu_memory_utilization", "max_nu
                      "async_scheduling", "max_pinned_fraction", "max_graph_tokens")
 
 
-def _positive_int(name: str, value, low: int = 1) -> None:
-    if not is_int(value) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+def _bounded_int(name: str, value) -> None:
+    """`value` an integer inside its row of chunkwise.limits (a lower bound alone); else ValueError naming both."""
+    limit = LIMIT[name]
+    if not is_int(value) or not limit.admits(value):
+        raise ValueError(f"{name} must be an integer >= {limit.lower}, got {value!r}")
+
+
+def _bounded_number(name: str, value) -> None:
+    limit = LIMIT[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not limit.admits(value):
+        raise ValueError(f"{name} must be a number in {limit.interval()}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -84,29 +93,23 @@ class EngineConfig:
         set_ = object.__setattr__.__get__(self)
         set_("dtype", _resolve_dtype(self.dtype))
         set_("device", _resolve_device(self.device))
-        _positive_int("page_size", self.page_size)
+        _bounded_int("page_size", self.page_size)
         for name in ("enable_prefix_caching", "enforce_eager", "cascade_attention", "deterministic",
                      "custom_all_reduce", "async_scheduling"):
             if not isinstance(getattr(self, name), bool) and (name != "async_scheduling" or self.async_scheduling
                                                               is not None):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        u = self.gpu_memory_utilization
-        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
-        f = self.max_pinned_fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f < 1.0:
-            raise ValueError(f"max_pinned_fraction must be a number in [0, 1), got {f!r}")
+        _bounded_number("gpu_memory_utilization", self.gpu_memory_utilization)
+        _bounded_number("max_pinned_fraction", self.max_pinned_fraction)
         if self.num_pages is not None:
-            _positive_int("num_pages", self.num_pages)
-        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        _positive_int("max_num_seqs", self.max_num_seqs)
+            _bounded_int("num_pages", self.num_pages)
+        _bounded_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _bounded_int("max_num_seqs", self.max_num_seqs)
         if self.max_prefill_tokens_with_decodes is not None:
-            _positive_int("max_prefill_tokens_with_decodes", self.max_prefill_tokens_with_decodes)
-        _positive_int("max_graph_tokens", self.max_graph_tokens, low=0)
+            _bounded_int("max_prefill_tokens_with_decodes", self.max_prefill_tokens_with_decodes)
+        _bounded_int("max_graph_tokens", self.max_graph_tokens)
         if self.split_kv_threshold is not None:
-            _positive_int("split_kv_threshold", self.split_kv_threshold, low=0)
-        if self.split_size is not None:
-            _positive_int("split_size", self.split_size)
+            _bounded_int("split_kv_threshold", self.split_kv_threshold)
         _check_tensor_parallel(self)
         _check_attention_backend(self)
         if self.split_kv_threshold is None:
@@ -129,13 +132,14 @@ class EngineConfig:
 def _check_tensor_parallel(config: EngineConfig) -> None:
     """Refuses a tensor_parallel_size the machine cannot run (the model's shape is checked by `open_config`)."""
     n = config.tensor_parallel_size
-    _positive_int("tensor_parallel_size", n)
+    _bounded_int("tensor_parallel_size", n)
     if n == 1:
         return
-    if config.deterministic and n > 2:
+    if config.deterministic and not LIMIT["deterministic_tensor_parallel_size"].admits(n):
         # Two ranks sum each element once (a + b, the same bits on both and for any message size); with
         # more, the collective's reduction order depends on the message size, i.e. on the batch.
-        raise ValueError(f"deterministic=True supports tensor_parallel_size up to 2, got {n}")
+        raise ValueError(f"deterministic=True supports tensor_parallel_size up to "
+                         f"{LIMIT['deterministic_tensor_parallel_size'].upper}, got {n}")
     if config.device.type == "cuda":
         first = config.device.index
         if first + n > torch.cuda.device_count():

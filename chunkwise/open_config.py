@@ -11,6 +11,7 @@ from chunkwise.checkpoints import resolve_model
 from chunkwise.engine_config import EngineConfig
 from chunkwise.kernels.fa3 import fa3_unavailable
 from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE, split_tile_config
+from chunkwise.limits import LIMIT
 from chunkwise.model_config import ModelConfig
 from chunkwise.tokenizer import is_int
 
@@ -21,9 +22,10 @@ def open_config(config: EngineConfig) -> EngineConfig:
     model_config = ModelConfig.from_dir(path)
     limit = model_config.max_position_embeddings
     max_len = limit if config.max_model_len is None else config.max_model_len
-    if not is_int(max_len) or not 2 <= max_len <= limit:
-        raise ValueError(f"max_model_len must be an integer in [2, {limit}] (max_position_embeddings), "
-                         f"got {max_len!r}")
+    bound = LIMIT["max_model_len"]
+    if not is_int(max_len) or not bound.admits(max_len, max_position_embeddings=limit):
+        raise ValueError(f"max_model_len must be an integer in {bound.interval(max_position_embeddings=limit)} "
+                         f"(max_position_embeddings), got {max_len!r}")
     _check_tensor_parallel_shape(config.tensor_parallel_size, model_config)
     if config.attention_backend == "fa3":
         why = fa3_unavailable(config.device, config.dtype, model_config.head_dim)
@@ -31,7 +33,8 @@ def open_config(config: EngineConfig) -> EngineConfig:
             raise ValueError(f"attention_backend='fa3' cannot run here: {why}")
     split_size = DEFAULT_SPLIT_SIZE if config.split_size is None else config.split_size
     block_n = split_tile_config(model_config.head_dim, 1)[1]   # the tile's keys depend on head_dim alone
-    if split_size % block_n:
+    if not is_int(split_size) or not LIMIT["split_size"].admits(split_size, split_tile=block_n) \
+            or split_size % block_n:
         raise ValueError(f"split_size must be a multiple of {block_n} (the split-KV tile for head_dim "
                          f"{model_config.head_dim}), got {split_size}")
     return config.opened(path, model_config, int(max_len), split_size)

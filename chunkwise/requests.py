@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from chunkwise.chunks import Blend, ChunkRegistry, Piece, check_reuse, is_composite
+from chunkwise.limits import LIMIT
 from chunkwise.model_config import ModelConfig
 from chunkwise.sampling import SamplingParams
 from chunkwise.tokenizer import as_prompt_list, encode_prompts, is_int, is_single_prompt
@@ -57,7 +58,7 @@ def validate_requests(model_config: ModelConfig, tokenizer, max_model_len: int, 
         p = p if p is not None else SamplingParams()
         check_against_vocab(p, model_config.vocab_size, i)
         mode = check_reuse(mode, i)
-        if len(tokens) + p.max_tokens > max_model_len:
+        if not LIMIT["request_tokens"].admits(len(tokens) + p.max_tokens, max_model_len=max_model_len):
             raise ValueError(f"prompt {i}: {len(tokens)} tokens + max_tokens {p.max_tokens} exceed "
                              f"max_model_len {max_model_len}")
         if mode != "exact" and c is not None:
@@ -70,12 +71,16 @@ def validate_requests(model_config: ModelConfig, tokenizer, max_model_len: int, 
 
 
 def check_against_vocab(params: SamplingParams, vocab_size: int, index: int) -> None:
-    """The sampling fields that depend on the model: logprobs count and stop token ids."""
-    if params.logprobs is not None and params.logprobs > vocab_size:
-        raise ValueError(f"prompt {index}: logprobs={params.logprobs} exceeds the vocabulary size {vocab_size}")
-    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+    """The sampling fields that depend on the model: logprobs and top_k counts, stop token ids."""
+    for name in ("logprobs", "top_k"):
+        value = getattr(params, name)
+        if value is not None and not LIMIT[name].below_upper(value, vocab_size=vocab_size):
+            raise ValueError(f"prompt {index}: {name}={value} exceeds the vocabulary size {vocab_size}")
+    stop = LIMIT["stop_token_id"]
+    bad = [t for t in params.stop_token_ids if not stop.admits(t, vocab_size=vocab_size)]
     if bad:
-        raise ValueError(f"prompt {index}: stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+        raise ValueError(f"prompt {index}: stop_token_ids {bad} are outside the vocabulary "
+                         f"{stop.interval(vocab_size=vocab_size)}")
 
 
 def single_prompt(prompt) -> list:
@@ -122,7 +127,7 @@ def expand_chunk_sizes(chunk_sizes, prompt_len: int, index: int) -> list[int] | 
     if chunk_sizes is None:
         return None
     if is_int(chunk_sizes):
-        if chunk_sizes < 1:
+        if not LIMIT["chunk_size"].admits(chunk_sizes):
             raise ValueError(f"prompt {index}: chunk size {chunk_sizes} must be >= 1")
         full, rest = divmod(prompt_len, chunk_sizes)
         return [int(chunk_sizes)] * full + ([rest] if rest else [])
@@ -131,7 +136,7 @@ def expand_chunk_sizes(chunk_sizes, prompt_len: int, index: int) -> list[int] | 
                         f"{type(chunk_sizes).__name__} {chunk_sizes!r:.80}")
     sizes = list(chunk_sizes)
     for c in sizes:
-        if not is_int(c) or c < 1:
+        if not is_int(c) or not LIMIT["chunk_size"].admits(c):
             raise ValueError(f"prompt {index}: chunk size {c!r} in {sizes} is not an integer >= 1")
     if sum(sizes) != prompt_len:
         raise ValueError(f"prompt {index}: chunk sizes {sizes} sum to {sum(sizes)}, not the prompt length "

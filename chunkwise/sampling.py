@@ -1,12 +1,12 @@
 """Sampling parameters, the sampler both engines use, and the output type both engines return."""
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass, field
 
 import torch
 
+from chunkwise.limits import LIMIT
 from chunkwise.tokenizer import is_int
 
 
@@ -34,28 +34,29 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        def check_int(name, lo, optional=False):
-            v = getattr(self, name)
+        def check_int(name, optional=False):
+            """The lower bound; an upper one depends on the model (requests.check_against_vocab)."""
+            v, limit = getattr(self, name), LIMIT[name]
             if optional and v is None:
                 return
-            expected = f"{'None or ' if optional else ''}an integer >= {lo}"
-            if not is_int(v) or v < lo:
+            expected = f"{'None or ' if optional else ''}an integer >= {limit.lower}"
+            if not is_int(v) or not limit.above_lower(v):
                 _fail(name, v, expected, is_int(v))
             object.__setattr__(self, name, int(v))
 
-        check_int("max_tokens", 1)
-        check_int("top_k", 0)
-        check_int("logprobs", 0, optional=True)
+        check_int("max_tokens")
+        check_int("top_k")
+        check_int("logprobs", optional=True)
         if self.seed is not None:
             if not is_int(self.seed):
                 _fail("seed", self.seed, "None or an integer", False)
             object.__setattr__(self, "seed", int(self.seed))
         t = self.temperature
-        if not _real(t) or not math.isfinite(t) or t < 0:
+        if not _real(t) or not LIMIT["temperature"].admits(t):
             _fail("temperature", t, "a finite real number >= 0 (0 is greedy)", _real(t))
         object.__setattr__(self, "temperature", float(t))
         p = self.top_p
-        if not _real(p) or not math.isfinite(p) or not 0.0 < p <= 1.0:
+        if not _real(p) or not LIMIT["top_p"].admits(p):
             _fail("top_p", p, "a real number in (0, 1]", _real(p))
         object.__setattr__(self, "top_p", float(p))
         if not isinstance(self.ignore_eos, bool):
@@ -64,7 +65,7 @@ class SamplingParams:
         if isinstance(stops, (str, bytes, dict)) or not hasattr(stops, "__iter__"):
             _fail("stop_token_ids", stops, "a list or tuple of token ids (one id is [id])", False)
         stops = tuple(stops)
-        if not all(is_int(t) and t >= 0 for t in stops):
+        if not all(is_int(t) and LIMIT["stop_token_id"].above_lower(t) for t in stops):
             _fail("stop_token_ids", stops, "token ids, integers >= 0", all(is_int(t) for t in stops))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
 

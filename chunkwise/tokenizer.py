@@ -8,9 +8,10 @@ from __future__ import annotations
 import numbers
 from pathlib import Path
 
-import numpy as np
-
+from chunkwise.limits import LIMIT
 from chunkwise.model_config import ModelConfig
+
+PROMPT_TOKEN_ID = LIMIT["prompt_token_id"]
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -91,22 +92,12 @@ def encode_prompts(prompts, tokenizer, cfg: ModelConfig) -> list[list[int]]:
                 bad = next(t for t in ids if not is_int(t))
                 raise TypeError(f"prompt {i} holds {type(bad).__name__} {bad!r}, which is not an integer token id")
             ids = list(map(int, ids))
-        bad = _outside(ids, cfg.vocab_size)
+        bad = PROMPT_TOKEN_ID.first_outside(ids, vocab_size=cfg.vocab_size)
         if bad is not None:
-            raise ValueError(f"prompt {i} holds token id {bad!r}, outside the vocabulary [0, {cfg.vocab_size})")
+            raise ValueError(f"prompt {i} holds token id {bad!r}, outside the vocabulary "
+                             f"{PROMPT_TOKEN_ID.interval(vocab_size=cfg.vocab_size)}")
         out.append(ids)
     return out
-
-
-def _outside(ids: list[int], vocab_size: int) -> int | None:
-    """The first id outside [0, vocab_size), or None; the bounds through numpy, twice as fast as min and max."""
-    try:
-        a = np.fromiter(ids, np.int64, len(ids))
-        if a.min() >= 0 and a.max() < vocab_size:
-            return None
-    except OverflowError:   # beyond int64, so outside
-        pass
-    return next(t for t in ids if not 0 <= t < vocab_size)
 
 
 def decode(tokenizer, token_ids: list[int]) -> str:

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from chunkwise.chunks import Chunk, ChunkRegistry, reuse_report
 from chunkwise.engine_config import EngineConfig
+from chunkwise.limits import LIMIT, pin_cap
 from chunkwise.open_config import open_config
 from chunkwise.requests import single_prompt, validate_requests
 from chunkwise.sampling import RequestOutput, SamplingParams
@@ -246,8 +247,8 @@ class Engine:
 
     def _check_pin_cap(self, num_new: int) -> None:
         pool, fraction = self.page_pool, self.engine_config.max_pinned_fraction
-        cap = int(fraction * pool.num_pages)
-        if pool.num_pinned_pages + num_new > cap:
+        cap = pin_cap(fraction, pool.num_pages)
+        if not LIMIT["pinned_pages"].admits(pool.num_pinned_pages + num_new, pin_cap=cap):
             raise ValueError(f"pinning {num_new} more pages would exceed the cap: {pool.num_pinned_pages} pages are "
                              f"pinned, max_pinned_fraction={fraction} of {pool.num_pages} pages allows {cap}")
 

@@ -33,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chunkwise.chunks import BLEND_POLICIES, Blend, Chunk
+from chunkwise.limits import LIMIT
 from chunkwise.serve.chat import has_chunk_parts, splice_chat
 from chunkwise.serve.engine_core import EngineCore
 from chunkwise.serve.engine_loop import EngineLoop, Submission
@@ -57,9 +58,19 @@ class ServerState:
     chunks: dict[str, Chunk] = field(default_factory=dict)
     pinned: set[str] = field(default_factory=set)
 
+    def __post_init__(self):
+        check_server_options(self.max_waiting, self.max_logprobs)
+
     @property
     def engine(self):
         return self.loop.engine
+
+
+def check_server_options(max_waiting, max_logprobs) -> None:
+    """The server's own options, each an integer inside its row of chunkwise.limits; else ValueError naming it."""
+    for name, value in (("max_waiting", max_waiting), ("max_logprobs", max_logprobs)):
+        if not is_int(value) or not LIMIT[name].admits(value):
+            raise ValueError(f"{name} must be an integer >= {LIMIT[name].lower}, got {value!r}")
 
 
 @dataclass
@@ -258,7 +269,7 @@ async def _generate(state: ServerState, request: Request, chat: bool):
             max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
         params += [_engine_check(req.sampling_params, max_tokens, k, j) for j in range(req.n)]
     samples = [ids for ids in prompts for _ in range(req.n)]
-    if state.loop.num_waiting() + len(samples) > state.max_waiting:
+    if not LIMIT["waiting_requests"].admits(state.loop.num_waiting() + len(samples), max_waiting=state.max_waiting):
         raise APIError(429, f"the server's waiting queue is full ({state.max_waiting} requests); retry later",
                        code="queue_full")
     queue: asyncio.Queue = asyncio.Queue()
@@ -392,7 +403,7 @@ def _logprobs(state: ServerState, req, chat: bool) -> int | None:
         k, name = (req.top_logprobs or 0) if req.logprobs else None, "top_logprobs"
     else:
         k, name = req.logprobs, "logprobs"
-    if k is not None and not 0 <= k <= state.max_logprobs:
+    if k is not None and not LIMIT["server_logprobs"].admits(k, max_logprobs=state.max_logprobs):
         raise bad_request(f"{name} must be between 0 and {state.max_logprobs}, got {k}", name)
     return k
 

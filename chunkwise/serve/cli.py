@@ -19,7 +19,7 @@ import uvicorn
 
 from chunkwise.cli_parser import ArgumentParser
 from chunkwise.engine_config import ATTENTION_BACKENDS, DTYPES
-from chunkwise.serve.app import ServerState, build_app
+from chunkwise.serve.app import ServerState, build_app, check_server_options
 from chunkwise.serve.engine_core import EngineCore, EngineStartError, settled_heap
 from chunkwise.serve.engine_loop import EngineLoop
 from chunkwise.serve.metrics import Metrics
@@ -166,6 +166,7 @@ def main(argv=None) -> int:
     from chunkwise.engine import Engine
 
     try:
+        check_server_options(args.max_waiting, args.max_logprobs)   # before an engine is built
         if args.engine_process:
             loop = EngineCore(args.model, engine_kwargs(args))
             loop.start()

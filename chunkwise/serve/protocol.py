@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from chunkwise.chunks import Chunk
+from chunkwise.limits import LIMIT
 from chunkwise.sampling import SamplingParams
 from chunkwise.tokenizer import all_ints, is_single_prompt
 
@@ -76,8 +77,8 @@ class _GenerationRequest(BaseModel):
                 raise bad_request(f"{name} is not supported by this server (only 0)", name)
         if self.logit_bias:
             raise bad_request("logit_bias is not supported by this server", "logit_bias")
-        if self.n < 1:
-            raise bad_request(f"n must be an integer >= 1, got {self.n}", "n")
+        if not LIMIT["n"].admits(self.n):
+            raise bad_request(f"n must be an integer >= {LIMIT['n'].lower}, got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
 
@@ -96,6 +97,8 @@ class _GenerationRequest(BaseModel):
         """The engine's params for the index-th of n samples: with a seed, sample i draws from seed + i (as vLLM
         does), so n > 1 with a seed gives n different, reproducible samples. A bad value is the engine's own
         TypeError/ValueError naming it."""
+        if not LIMIT["openai_top_k"].above_lower(self.top_k):   # the vocabulary's side: the engine's own check
+            raise ValueError(f"top_k must be -1 (every token) or an integer >= 0, got {self.top_k}")
         top_k = 0 if self.top_k == -1 else self.top_k
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=top_k, top_p=self.top_p,
                               seed=None if self.seed is None else self.seed + index, logprobs=logprobs,
