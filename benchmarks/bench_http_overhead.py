@@ -33,6 +33,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from chunkwise.engine.core import EngineStats
 from chunkwise.engine.llm_engine import StepOutput
 from chunkwise.sampling import RequestOutput
 from chunkwise.serve.cli import engine_loop, make_server
@@ -70,6 +71,9 @@ class FakeEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.running)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(0, len(self.scheduler.running), 1, 0, 0, 0)
 
     def abort(self, rid: int) -> RequestOutput | None:
         r = self.scheduler.running.pop(rid, None)

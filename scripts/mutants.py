@@ -459,7 +459,7 @@ MUTANTS = [
            "        if a.min() >= 0 and a.max() < vocab_size:\n",
            "        if a.max() < vocab_size:\n",
            "a prompt's negative token id passes the request check (nothing checks it later on the engine's path)"),
-    Mutant("failed_step_keeps_its_pages", "chunkwise/engine/llm_engine.py",
+    Mutant("failed_step_keeps_its_pages", "chunkwise/engine/core.py",
            '            if self.scheduler.abort(seq.seq_id, reason="error") is None:\n',
            "            if self.scheduler.seqs.pop(seq.seq_id, None) is None:\n",
            "failure isolation forgets a failed step's requests without freeing their pages"),
@@ -467,7 +467,7 @@ MUTANTS = [
            "            if not sent:\n", "            if False:\n",
            "under tensor parallelism, a step that fails in preparation never sends the workers the page changes "
            "rank 0's tables already took: from then on the ranks' page-table rows name different pages"),
-    Mutant("failed_launch_loses_its_releases", "chunkwise/engine/llm_engine.py",
+    Mutant("failed_launch_loses_its_releases", "chunkwise/engine/core.py",
            "            self.page_pool.release_again(batch.page_changes)   # the page tables may not have applied them\n",
            "",
            "a step that fails before the runner applied its page changes loses the releases they carried: "
@@ -482,11 +482,11 @@ MUTANTS = [
            "",
            "the token a request computed in vain (its finish became known after the next step launched) is sampled "
            "and streamed"),
-    Mutant("overlap_defers_drawn_tokens", "chunkwise/engine/llm_engine.py",
-           "        if self.engine_config.async_scheduling and step.can_overlap:\n",
-           "        if self.engine_config.async_scheduling:\n",
+    Mutant("overlap_defers_drawn_tokens", "chunkwise/engine/core.py",
+           "        if self.config.async_scheduling and step.can_overlap:\n",
+           "        if self.config.async_scheduling:\n",
            "a step with seeded sampling or logprobs stays in flight, as if its tokens were on the device"),
-    Mutant("overlap_launch_failure_drops_the_step_in_flight", "chunkwise/engine/llm_engine.py",
+    Mutant("overlap_launch_failure_drops_the_step_in_flight", "chunkwise/engine/core.py",
            "            return self._postprocess(prev) + self._fail(batch, exc)\n",
            "            return self._fail(batch, exc)\n",
            "a step that fails to launch drops the step in flight instead of postprocessing it"),
@@ -644,13 +644,13 @@ MUTANTS = [
            "                del self.pins[page_id]\n            page.ref_count -= 1\n",
            "                del self.pins[page_id]\n",
            "unpin forgets the pin's reference: the chunk's pages stay in use forever"),
-    Mutant("pin_cap_counts_shared_pages_twice", "chunkwise/engine/llm_engine.py",
-           "                self._check_pin_cap(sum(1 for p in pages if p not in pool.pins))\n",
-           "                self._check_pin_cap(len(pages))\n",
+    Mutant("pin_cap_counts_shared_pages_twice", "chunkwise/engine/core.py",
+           "        self.check_pin_cap(sum(1 for p in pages if p not in pool.pins))\n",
+           "        self.check_pin_cap(len(pages))\n",
            "the pin cap counts pages already pinned by another chunk again"),
-    Mutant("pin_ignores_queued_requests", "chunkwise/engine/llm_engine.py",
-           "                    self.scheduler.check_fits(seq, f\"pinning these {num_full} pages: request {seq.seq_id}\", pages)\n",
-           "                    pass\n",
+    Mutant("pin_ignores_queued_requests", "chunkwise/engine/core.py",
+           "            self.scheduler.check_fits(seq, f\"pinning these {num_full} pages: request {seq.seq_id}\", pages)\n",
+           "            pass\n",
            "a pin may leave a queued request no room in the pool (it could then never run)"),
     Mutant("chunk_reuse_counted_from_the_prompt_start", "chunkwise/chunks.py",
            "        exact = max(0, min(start + p.num_tokens, num_cached_tokens) - start)\n",
@@ -729,7 +729,7 @@ MUTANTS = [
            "admission counts the evictable cached pages of the request's own prefix hit as free pages for its new "
            "tokens too, so under memory pressure a prefix-cache hit is admitted without room and the step's "
            "allocation raises out of Engine.step"),
-    Mutant("pin_cap_refuses_pins_reaching_the_cap", "chunkwise/engine/llm_engine.py",
+    Mutant("pin_cap_refuses_pins_reaching_the_cap", "chunkwise/engine/core.py",
            "        if pool.num_pinned_pages + num_new > cap:\n",
            "        if pool.num_pinned_pages + num_new >= cap:\n",
            "register_chunk(pin=True) is refused when the pinned pages would reach max_pinned_fraction of the pool "
@@ -826,9 +826,9 @@ MUTANTS = [
            'if k is not None and not 0 <= k < state.max_logprobs:',
            'Made the upper bound of the logprobs check exclusive, so a request asking for exactly max_logprobs (20, '
            'what OpenAI allows) top logprobs gets a 400 "logprobs must be between 0 and 20" instead of its answer.'),
-    Mutant('kv_pages_used_counts_cached_pages', 'chunkwise/serve/engine_loop.py',
-           'return pool.num_pages - pool.num_free_pages',
-           'return pool.num_pages - len(pool.free_page_ids)',
+    Mutant('kv_pages_used_counts_cached_pages', 'chunkwise/engine/core.py',
+           'pool.num_pages - pool.num_free_pages',
+           'pool.num_pages - len(pool.free_page_ids)',
            'Computed the used-pages gauge from the free list alone, forgetting that evictable prefix-cache pages are '
            'free for allocation too: after requests finish, /metrics keeps reporting their cached pages in '
            'chunkwise_kv_pages_used although no request holds them.'),

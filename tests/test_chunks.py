@@ -236,10 +236,10 @@ def test_a_pinned_system_chunk_is_reused_exactly_after_pressure_and_a_document_a
 def test_pieces_are_prefill_chunks_unless_chunk_sizes_are_given(ckpt):
     eng = Engine(ckpt, page_size=4, num_pages=32, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False)
     a, b = eng.register_chunk(seeded_ids(5, "a")), eng.register_chunk(seeded_ids(7, "b"))
-    seqs = eng._prepare([[a, [3, 4], b]], PARAMS, None)
+    seqs = eng.frontend.requests([[a, [3, 4], b]], PARAMS, None)
     assert seqs[0].chunk_sizes == [5, 2, 7] and seqs[0].prompt_token_ids == concat([a, [3, 4], b])
-    assert eng._prepare([[a, [3, 4], b]], PARAMS, [[7, 7]])[0].chunk_sizes == [7, 7]
-    assert eng._prepare([[1, 2, 3]], PARAMS, None)[0].chunk_sizes is None   # a plain prompt: the budget splits it
+    assert eng.frontend.requests([[a, [3, 4], b]], PARAMS, [[7, 7]])[0].chunk_sizes == [7, 7]
+    assert eng.frontend.requests([[1, 2, 3]], PARAMS, None)[0].chunk_sizes is None   # a plain prompt: the budget splits it
     assert eng.generate([[1, 2, 3]], PARAMS)[0].chunk_reuse is None
 
 

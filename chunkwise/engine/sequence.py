@@ -74,6 +74,7 @@ class Sequence:
         # pages are approximate and never enter the prefix cache. None when its K/V are exact.
         self.blended_from: int | None = None
         self.chunk_reuse = None                # a blended prefill's ChunkReuse report, once its step is sampled
+        self.prefill_only = False              # a prefix job (EngineCore.compute_prefix): computes its prompt, samples nothing
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "

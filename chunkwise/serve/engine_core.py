@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from chunkwise.chunks import ChunkRegistry
 from chunkwise.engine import Engine
-from chunkwise.engine.llm_engine import check_blend
+from chunkwise.engine.frontend import check_blend
 from chunkwise.engine_config import EngineConfig
 from chunkwise.serve.engine_loop import Streams, Submission, abort_requests, add_samples
 from chunkwise.tokenizer import load_tokenizer
@@ -350,7 +350,7 @@ def _core_main(conn, model: str, engine_kwargs: dict, engine_class: type | None)
         conn.send(("error", f"{type(e).__name__}: {' '.join(str(e).split())}"))
         return
     try:
-        conn.send(("ready", _Hello(engine.engine_config, engine.chunks.name, engine.page_pool.num_pages)))
+        conn.send(("ready", _Hello(engine.engine_config, engine.chunks.name, engine.stats().num_pages)))
         with settled_heap():
             _CoreLoop(engine, conn).run()
     finally:
@@ -401,8 +401,8 @@ class _CoreLoop:
             self._send_outputs(outs)
 
     def _load(self) -> _Load:
-        sched, pool = self.engine.scheduler, self.engine.page_pool
-        return _Load(len(sched.waiting), len(sched.running), pool.num_pages - pool.num_free_pages)
+        stats = self.engine.stats()
+        return _Load(stats.num_waiting, stats.num_running, stats.pages_used)
 
     def _send_outputs(self, outs) -> None:
         for out in outs:
