@@ -587,15 +587,10 @@ MUTANTS = [
            "self.metrics.itl.observe(now - stream.arrival)",
            "the inter-token latency histogram measures from the request's arrival, not from its previous token"),
     Mutant("serve_core_drops_aborts", "chunkwise/serve/engine_core.py",
-           "self._abort(list(self.live) if m[1] is None else m[1])",
-           "self._abort(list(self.live) if m[1] is None else [])",
+           "(list(self.live) if m.request_ids is None else m.request_ids)",
+           "(list(self.live) if m.request_ids is None else [])",
            "the engine process ignores the server's aborts of running requests: a client that disconnects leaves "
            "its request holding pages in the engine process"),
-    Mutant("serve_core_chunk_mirror_stale", "chunkwise/serve/engine_core.py",
-           "                chunks.num_issued = max(chunks.num_issued, value.chunk_id + 1)\n",
-           "",
-           "the server's mirror of the engine process's chunk registry does not learn of new chunks, so it refuses "
-           "them in composite prompts"),
     Mutant("serve_core_dead_engine_unnoticed", "chunkwise/serve/engine_core.py",
            "                self._fail(f\"the engine process exited unexpectedly (exit code {self._process.exitcode})\")\n",
            "",
@@ -916,6 +911,43 @@ MUTANTS = [
            'fa3_prefill=config.attention_backend == "fa3")',
            "fa3_prefill=False)",
            "attention_backend='fa3' is validated but never reaches the model: every step takes chunkwise's kernel"),
+    # ---- issue 48: the engine core, its prefix jobs, stats and the output processor (h48core) ---------------
+    Mutant("prefix_job_keeps_its_pages", "chunkwise/engine/core.py",
+           '            self.scheduler.abort(seq.seq_id, reason="stop")\n',
+           "            self.scheduler.seqs.pop(seq.seq_id)\n",
+           "a compute_prefix job that is done is forgotten without freeing its pages: every registered chunk or "
+           "prefill_kv call leaks the pages of its prompt"),
+    Mutant("prefix_job_done_at_launch", "chunkwise/engine/core.py",
+           "            if job is None or end < seq.num_prompt_tokens or seq.status is not SequenceStatus.RUNNING:\n",
+           "            if job is None or seq.num_computed_tokens < seq.num_prompt_tokens "
+           "or seq.status is not SequenceStatus.RUNNING:\n",
+           "a prefix job counts as done once its last step is launched: under overlap scheduling that step's pages "
+           "are not cached yet, so pinning the chunk fails"),
+    Mutant("core_fit_unchecked", "chunkwise/engine/core.py",
+           '            self.scheduler.check_fits(seq, name=f"prompt {i}")\n',
+           "            pass\n",
+           "the core queues a request without checking it fits the pool (the scheduler no longer checks it again): "
+           "a request that can never fit is queued and stalls the engine"),
+    Mutant("stats_count_held_cached_pages_as_cached", "chunkwise/engine/core.py",
+           "pool.num_pages - pool.num_free_pages, len(pool.evictable), pool.num_pinned_pages)",
+           "pool.num_pages - pool.num_free_pages, len(pool.cached), pool.num_pinned_pages)",
+           "stats() counts every page in the prefix cache as cached (reusable), including pages requests or pins "
+           "hold"),
+    Mutant("output_processor_drops_the_exact_reuse_report", "chunkwise/engine/outputs.py",
+           "chunk_reuse=final.chunk_reuse or reuse_report(tracked.pieces, final.num_cached_tokens))",
+           "chunk_reuse=final.chunk_reuse)",
+           "the output processor passes on only the core's blend report: a composite prompt in exact mode gets no "
+           "chunk_reuse report"),
+    Mutant("serve_process_streams_lose_their_text", "chunkwise/serve/engine_core.py",
+           "        self.outputs = OutputProcessor(self.engine.tokenizer)\n",
+           "        self.outputs = OutputProcessor(None)\n",
+           "the server's side of an engine process decodes nothing: the engine sends token ids only, so every "
+           "streamed piece and every answer's text is empty"),
+    Mutant("serve_process_unpin_forgets_the_pin", "chunkwise/serve/engine_core.py",
+           "            call.future.set_result(self.engine.issue(call.ids, done.pinned if call.pin else None))\n",
+           "            call.future.set_result(self.engine.issue(call.ids, None))\n",
+           "the server issues a chunk the engine process pinned without recording its pin, so DELETE /v1/chunks "
+           "refuses to unpin it and its pages stay pinned for ever"),
 ]
 
 

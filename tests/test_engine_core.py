@@ -51,6 +51,19 @@ def test_a_prefix_job_samples_nothing_caches_its_full_pages_and_frees_the_rest(e
     assert engine.core.abort(rid) is None
 
 
+def test_a_chunk_computed_over_several_overlapped_steps_is_pinned_whole(ckpt):
+    """A prefix job is done when the step computing its last tokens is postprocessed, not when it is launched:
+    under overlap scheduling its pages are cached only then."""
+    eng = Engine(ckpt, page_size=4, num_pages=16, max_model_len=64, max_num_batched_tokens=4, async_scheduling=True)
+    ids = PROMPT + [40, 41, 42, 43, 44, 45]   # 16 tokens: 4 full pages, 4 steps of the budget
+    chunk = eng.register_chunk(ids, pin=True)
+    assert eng.chunks.pinned[chunk.chunk_id] == eng.page_pool.chain_pages(ids) and len(eng.page_pool.pins) == 4
+    out = eng.generate([[chunk, [7, 8]]], GREEDY)[0]
+    assert [(r.exact, r.recomputed) for r in out.chunk_reuse] == [(16, 0), (0, 2)]
+    eng.unpin(chunk)
+    assert eng.stats().pages_used == 0 and eng.stats().pages_pinned == 0
+
+
 def test_stats_count_waiting_running_used_cached_and_pinned_pages(ckpt):
     eng = Engine(ckpt, page_size=4, num_pages=16, max_model_len=64, max_num_seqs=1, async_scheduling=False)
     empty = eng.stats()
