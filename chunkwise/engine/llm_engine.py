@@ -49,11 +49,20 @@ class Engine:
         self.engine_config = config = EngineConfig(model, **kwargs)
         self.model_config, self.dtype, self.device = config.model_config, config.dtype, config.device
         self.max_model_len, self.page_size = config.max_model_len, config.page_size
-        self.tokenizer = load_tokenizer(config.path)
-        self.frontend = Frontend(config, self.tokenizer, ChunkRegistry("chunkwise.Engine"))
+        tokenizer = load_tokenizer(config.path)
+        self.frontend = Frontend(config, tokenizer, ChunkRegistry("chunkwise.Engine"))
         self.core = EngineCore(config)
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.outputs = OutputProcessor(tokenizer)
         self._lock = threading.RLock()
+
+    @property
+    def tokenizer(self):
+        return self.frontend.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        """One tokenizer for both sides: what validation encodes with is what the outputs decode with."""
+        self.frontend.tokenizer = self.outputs.tokenizer = tokenizer
 
     @property
     def chunks(self) -> ChunkRegistry:
