@@ -61,7 +61,7 @@ def run(eng: Engine, system, prompts) -> dict:
     the decode-only steps launched."""
     eng.generate([system + [5]], SamplingParams(max_tokens=1))   # caches the system prompt's pages
     window = dict(call=0.0, start=None, tokens=0)
-    step, forward = eng._step, eng.executor.runner.forward
+    step, forward = eng.core.step, eng.executor.runner.forward
 
     def marked_step():
         window["call"] = time.perf_counter()
@@ -73,7 +73,7 @@ def run(eng: Engine, system, prompts) -> dict:
                 window["start"] = window["call"]
             window["tokens"] += len(host.ids)
         return forward(host, *args, **kwargs)
-    eng._step, eng.executor.runner.forward = marked_step, counted_forward
+    eng.core.step, eng.executor.runner.forward = marked_step, counted_forward
     launches = Counter(eng.executor.runner.launches)
     compiled = len(COMPILED)
     torch.cuda.synchronize()
@@ -82,7 +82,7 @@ def run(eng: Engine, system, prompts) -> dict:
         outs = eng.generate(prompts, SamplingParams(max_tokens=OUTPUT, ignore_eos=True), use_tqdm=False)
         torch.cuda.synchronize()
     finally:
-        del eng._step, eng.executor.runner.forward
+        del eng.core.step, eng.executor.runner.forward
     end = time.perf_counter()
     assert all(len(o.token_ids) == OUTPUT for o in outs)
     assert min(o.num_cached_tokens for o in outs) >= SHARED - eng.page_size, "a request missed the cached prompt"

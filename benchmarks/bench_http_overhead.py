@@ -33,6 +33,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from chunkwise.chunks import ChunkRegistry
+from chunkwise.engine.core import EngineStats
+from chunkwise.engine.frontend import Frontend
 from chunkwise.engine.llm_engine import StepOutput
 from chunkwise.sampling import RequestOutput
 from chunkwise.serve.cli import engine_loop, make_server
@@ -40,6 +43,21 @@ from chunkwise.serve.engine_core import EngineCore
 
 MODEL = "fake"
 VOCAB = 1000
+
+
+class _FakeCore:
+    """FakeEngine as an engine process drives it (EngineCore's calls): its step outputs carry text besides."""
+
+    def __init__(self, engine: "FakeEngine"):
+        self.engine = engine
+        self.step, self.has_unfinished, self.stats = engine.step, engine.has_unfinished, engine.stats
+
+    def add_requests(self, requests) -> list[int]:
+        return [self.engine.add_request(r.prompt_token_ids, r.params) for r in requests]
+
+    def abort(self, rid: int) -> StepOutput | None:
+        out = self.engine.abort(rid)
+        return None if out is None else StepOutput(rid, [], None, "abort", out)
 
 
 class FakeEngine:
@@ -52,11 +70,13 @@ class FakeEngine:
     def __init__(self, model: str = MODEL, step_s: float = 0.002):
         self.step_s = step_s
         self.tokenizer = None
-        self.max_model_len = 1 << 20
+        self.max_model_len = 1 << 30
         self.model_config = SimpleNamespace(vocab_size=VOCAB)
         self.engine_config = SimpleNamespace(path=model, model_config=self.model_config,
                                              max_model_len=self.max_model_len)
-        self.chunks = SimpleNamespace(name="fake#0")
+        self.chunks = ChunkRegistry("fake")
+        self.frontend = Frontend(self.engine_config, None, self.chunks)   # the server's side, in an engine process
+        self.core = _FakeCore(self)   # what an engine process steps
         self.scheduler = SimpleNamespace(waiting=[], running={})
         self.page_pool = SimpleNamespace(num_pages=1, num_free_pages=1)
         self.busy_s = 0.0
@@ -70,6 +90,9 @@ class FakeEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.running)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(0, len(self.scheduler.running), 1, 0, 0, 0)
 
     def abort(self, rid: int) -> RequestOutput | None:
         r = self.scheduler.running.pop(rid, None)

@@ -31,7 +31,7 @@ class StepTimer:
         self._wrap(executor.runner, "forward", "forward", sync=device_sync, inspect=self._inspect)
         self._wrap(executor, "sample", "sample")
         self._wrap(sched, "postprocess", "postprocess")
-        self._wrap(engine, "_step", "step", new_step=True)
+        self._wrap(engine.core, "step", "step", new_step=True)
 
     def _wrap(self, obj, name, phase, sync=False, inspect=None, new_step=False):
         real = getattr(obj, name)

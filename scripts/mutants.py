@@ -508,7 +508,7 @@ MUTANTS = [
            '_row("prompt_token_id", 0, "vocab_size",',
            '_row("prompt_token_id", None, "vocab_size",',
            "a prompt's negative token id passes the request check (nothing checks it later on the engine's path)"),
-    Mutant("failed_step_keeps_its_pages", "chunkwise/engine/llm_engine.py::Engine._fail",
+    Mutant("failed_step_keeps_its_pages", "chunkwise/engine/core.py::EngineCore._fail",
            '            if self.scheduler.abort(seq.seq_id, reason="error") is None:\n',
            "            if self.scheduler.seqs.pop(seq.seq_id, None) is None:\n",
            "failure isolation forgets a failed step's requests without freeing their pages"),
@@ -517,7 +517,7 @@ MUTANTS = [
            "            if not sent:\n", "            if False:\n",
            "under tensor parallelism, a step that fails in preparation never sends the workers the page changes "
            "rank 0's tables already took: from then on the ranks' page-table rows name different pages"),
-    Mutant("failed_launch_loses_its_releases", "chunkwise/engine/llm_engine.py::Engine._step",
+    Mutant("failed_launch_loses_its_releases", "chunkwise/engine/core.py::EngineCore.step",
            '            self.page_pool.release_again(batch.page_changes)\n',
            "",
            "a step that fails before the runner applied its page changes loses the releases they carried: "
@@ -532,11 +532,11 @@ MUTANTS = [
            "",
            "the token a request computed in vain (its finish became known after the next step launched) is sampled "
            "and streamed"),
-    Mutant("overlap_defers_drawn_tokens", "chunkwise/engine/llm_engine.py::Engine._step",
-           "        if self.engine_config.async_scheduling and step.can_overlap:\n",
-           "        if self.engine_config.async_scheduling:\n",
+    Mutant("overlap_defers_drawn_tokens", "chunkwise/engine/core.py::EngineCore.step",
+           "        if self.config.async_scheduling and step.can_overlap:\n",
+           "        if self.config.async_scheduling:\n",
            "a step with seeded sampling or logprobs stays in flight, as if its tokens were on the device"),
-    Mutant("overlap_launch_failure_drops_the_step_in_flight", "chunkwise/engine/llm_engine.py::Engine._step",
+    Mutant("overlap_launch_failure_drops_the_step_in_flight", "chunkwise/engine/core.py::EngineCore.step",
            "            return self._postprocess(prev) + self._fail(batch, exc)\n",
            "            return self._fail(batch, exc)\n",
            "a step that fails to launch drops the step in flight instead of postprocessing it"),
@@ -636,16 +636,12 @@ MUTANTS = [
            "self.metrics.itl.observe(now - stream.last_token)",
            "self.metrics.itl.observe(now - stream.arrival)",
            "the inter-token latency histogram measures from the request's arrival, not from its previous token"),
-    Mutant("serve_core_drops_aborts", "chunkwise/serve/engine_core.py::_CoreLoop.run",
-           "self._abort(list(self.live) if m[1] is None else m[1])",
-           "self._abort(list(self.live) if m[1] is None else [])",
+    Mutant("serve_core_drops_aborts", "chunkwise/serve/engine_core.py::_CoreLoop._abort",
+           "(list(self.live) if m.request_ids is None else m.request_ids)",
+           "(list(self.live) if m.request_ids is None else [])",
            "the engine process ignores the server's aborts of running requests: a client that disconnects leaves "
            "its request holding pages in the engine process"),
-    Mutant("serve_core_chunk_mirror_stale", "chunkwise/serve/engine_core.py::EngineCore._handle",
-           "                chunks.num_issued = max(chunks.num_issued, value.chunk_id + 1)\n",
-           "",
-           "the server's mirror of the engine process's chunk registry does not learn of new chunks, so it refuses "
-           "them in composite prompts"),
+
     Mutant("serve_core_dead_engine_unnoticed", "chunkwise/serve/engine_core.py::EngineCore._receive",
            "                self._fail(f\"the engine process exited unexpectedly (exit code {self._process.exitcode})\")\n",
            "",
@@ -694,13 +690,13 @@ MUTANTS = [
            "                del self.pins[page_id]\n            page.ref_count -= 1\n",
            "                del self.pins[page_id]\n",
            "unpin forgets the pin's reference: the chunk's pages stay in use forever"),
-    Mutant("pin_cap_counts_shared_pages_twice", "chunkwise/engine/llm_engine.py::Engine.register_chunk",
-           "                self._check_pin_cap(sum(1 for p in pages if p not in pool.pins))\n",
-           "                self._check_pin_cap(len(pages))\n",
+    Mutant("pin_cap_counts_shared_pages_twice", "chunkwise/engine/core.py::EngineCore._pin",
+           "        self.check_pin_cap(sum(1 for p in pages if p not in pool.pins))\n",
+           "        self.check_pin_cap(len(pages))\n",
            "the pin cap counts pages already pinned by another chunk again"),
-    Mutant("pin_ignores_queued_requests", "chunkwise/engine/llm_engine.py::Engine.register_chunk",
-           "                    self.scheduler.check_fits(seq, f\"pinning these {num_full} pages: request {seq.seq_id}\", pages)\n",
-           "                    pass\n",
+    Mutant("pin_ignores_queued_requests", "chunkwise/engine/core.py::EngineCore._pin",
+           "            self.scheduler.check_fits(seq, f\"pinning these {num_full} pages: request {seq.seq_id}\", pages)\n",
+           "            pass\n",
            "a pin may leave a queued request no room in the pool (it could then never run)"),
     Mutant("chunk_reuse_counted_from_the_prompt_start", "chunkwise/chunks.py::reuse_report",
            "        exact = max(0, min(start + p.num_tokens, num_cached_tokens) - start)\n",
@@ -780,7 +776,7 @@ MUTANTS = [
            "admission counts the evictable cached pages of the request's own prefix hit as free pages for its new "
            "tokens too, so under memory pressure a prefix-cache hit is admitted without room and the step's "
            "allocation raises out of Engine.step"),
-    Mutant('pin_cap_refuses_pins_reaching_the_cap', 'chunkwise/engine/llm_engine.py::Engine._check_pin_cap',
+    Mutant('pin_cap_refuses_pins_reaching_the_cap', 'chunkwise/engine/core.py::EngineCore.check_pin_cap',
            'admits(pool.num_pinned_pages + num_new, pin_cap=cap)',
            'admits(pool.num_pinned_pages + num_new, pin_cap=cap - 1)',
            'register_chunk(pin=True) is refused when the pinned pages would reach max_pinned_fraction of the pool exactly, though the cap allows it'),
@@ -875,9 +871,9 @@ MUTANTS = [
            '_row("server_logprobs", 0, "max_logprobs", "server", "server"),',
            '_row("server_logprobs", 0, "max_logprobs", "server", "server", upper_inclusive=False),',
            'Made the upper bound of the logprobs check exclusive, so a request asking for exactly max_logprobs (20, what OpenAI allows) top logprobs gets a 400 "logprobs must be between 0 and 20" instead of its answer.'),
-    Mutant('kv_pages_used_counts_cached_pages', 'chunkwise/serve/engine_loop.py::EngineLoop.kv_pages_used',
-           'return pool.num_pages - pool.num_free_pages',
-           'return pool.num_pages - len(pool.free_page_ids)',
+    Mutant('kv_pages_used_counts_cached_pages', 'chunkwise/engine/core.py::EngineCore.stats',
+           'pool.num_pages - pool.num_free_pages',
+           'pool.num_pages - len(pool.free_page_ids)',
            'Computed the used-pages gauge from the free list alone, forgetting that evictable prefix-cache pages are '
            'free for allocation too: after requests finish, /metrics keeps reporting their cached pages in '
            'chunkwise_kv_pages_used although no request holds them.'),
@@ -1052,9 +1048,9 @@ MUTANTS = [
            "    for _ in range(max_steps + 1):\n",
            "the benchmark's bounded loop takes one step more than its cap says"),
     Mutant("engine_ignores_its_model_class", "chunkwise/engine/llm_engine.py::Engine.__init__",
-           "        self.executor = executor(config, self.model_class)",
-           "        self.executor = executor(config)",
-           "Engine.model_class is never passed to the executor: a host-only engine runs the real model's forward"),
+           "        self.core = EngineCore(config, self.model_class)",
+           "        self.core = EngineCore(config)",
+           "Engine.model_class is never passed to the core's executor: a host-only engine runs the real model's forward"),
     Mutant("usage_error_exits_2", "chunkwise/cli_parser.py::<module>",
            "USAGE_ERROR_STATUS = 1",
            "USAGE_ERROR_STATUS = 2",
@@ -1119,6 +1115,43 @@ MUTANTS = [
            'if not LIMIT["waiting_requests"].admits(state.loop.num_waiting() + len(samples), max_waiting=state.max_waiting):',
            'if state.loop.num_waiting() + len(samples) >= state.max_waiting:',
            "a check written by hand beside the table (as the sample's 429 bug was): refuses a request that exactly fills max_waiting"),
+    # ---- merged from h48core ----
+    Mutant("prefix_job_keeps_its_pages", "chunkwise/engine/core.py::EngineCore._prefixes_done",
+           '            self.scheduler.abort(seq.seq_id, reason="stop")\n',
+           "            self.scheduler.seqs.pop(seq.seq_id)\n",
+           "a compute_prefix job that is done is forgotten without freeing its pages: every registered chunk or "
+           "prefill_kv call leaks the pages of its prompt"),
+    Mutant("prefix_job_done_at_launch", "chunkwise/engine/core.py::EngineCore._prefixes_done",
+           "            if job is None or end < seq.num_prompt_tokens or seq.status is not SequenceStatus.RUNNING:\n",
+           "            if job is None or seq.num_computed_tokens < seq.num_prompt_tokens "
+           "or seq.status is not SequenceStatus.RUNNING:\n",
+           "a prefix job counts as done once its last step is launched: under overlap scheduling that step's pages "
+           "are not cached yet, so pinning the chunk fails"),
+    Mutant("core_fit_unchecked", "chunkwise/engine/core.py::EngineCore.add_requests",
+           '            self.scheduler.check_fits(seq, name=f"prompt {i}")\n',
+           "            pass\n",
+           "the core queues a request without checking it fits the pool (the scheduler no longer checks it again): "
+           "a request that can never fit is queued and stalls the engine"),
+    Mutant("stats_count_held_cached_pages_as_cached", "chunkwise/engine/core.py::EngineCore.stats",
+           "pool.num_pages - pool.num_free_pages, len(pool.evictable), pool.num_pinned_pages)",
+           "pool.num_pages - pool.num_free_pages, len(pool.cached), pool.num_pinned_pages)",
+           "stats() counts every page in the prefix cache as cached (reusable), including pages requests or pins "
+           "hold"),
+    Mutant("output_processor_drops_the_exact_reuse_report", "chunkwise/engine/outputs.py::OutputProcessor.convert",
+           "chunk_reuse=final.chunk_reuse or reuse_report(tracked.pieces, final.num_cached_tokens))",
+           "chunk_reuse=final.chunk_reuse)",
+           "the output processor passes on only the core's blend report: a composite prompt in exact mode gets no "
+           "chunk_reuse report"),
+    Mutant("serve_process_streams_lose_their_text", "chunkwise/serve/engine_core.py::EngineCore.start",
+           "        self.outputs = OutputProcessor(self.engine.tokenizer)\n",
+           "        self.outputs = OutputProcessor(None)\n",
+           "the server's side of an engine process decodes nothing: the engine sends token ids only, so every "
+           "streamed piece and every answer's text is empty"),
+    Mutant("serve_process_unpin_forgets_the_pin", "chunkwise/serve/engine_core.py::EngineCore._on_call_done",
+           "            call.future.set_result(self.engine.issue(call.ids, done.pinned if call.pin else None))\n",
+           "            call.future.set_result(self.engine.issue(call.ids, None))\n",
+           "the server issues a chunk the engine process pinned without recording its pin, so DELETE /v1/chunks "
+           "refuses to unpin it and its pages stay pinned for ever"),
 ]
 
 

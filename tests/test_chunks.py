@@ -237,16 +237,16 @@ def test_a_pinned_system_chunk_is_reused_exactly_after_pressure_and_a_document_a
 def test_pieces_do_not_set_chunk_sizes_but_explicit_chunk_sizes_win(ckpt):
     eng = Engine(ckpt, page_size=4, num_pages=32, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False)
     a, b = eng.register_chunk(seeded_ids(5, "a")), eng.register_chunk(seeded_ids(7, "b"))
-    seqs = eng._prepare([[a, [3, 4], b]], PARAMS, None)
+    seqs = eng.frontend.requests([[a, [3, 4], b]], PARAMS, None)
     assert seqs[0].chunk_sizes is None and seqs[0].prompt_token_ids == concat([a, [3, 4], b]), \
         "a composite prompt's pieces split its prefill: the budget should"
     assert [p.num_tokens for p in seqs[0].pieces] == [5, 2, 7]
-    assert eng._prepare([[a, [3, 4], b]], PARAMS, [[7, 7]])[0].chunk_sizes == [7, 7]
-    assert eng._prepare([[a, [3, 4], b]], PARAMS, 6)[0].chunk_sizes == [6, 6, 2]
+    assert eng.frontend.requests([[a, [3, 4], b]], PARAMS, [[7, 7]])[0].chunk_sizes == [7, 7]
+    assert eng.frontend.requests([[a, [3, 4], b]], PARAMS, 6)[0].chunk_sizes == [6, 6, 2]
     blended = validate_requests(eng.model_config, None, MAX_MODEL_LEN, [a, [3, 4], b], PARAMS, reuse="blend",
                                 chunks=eng.chunks)
     assert blended[0].chunk_sizes == [14]   # a blended prompt stays one step
-    assert eng._prepare([[1, 2, 3]], PARAMS, None)[0].chunk_sizes is None   # a plain prompt: the budget splits it
+    assert eng.frontend.requests([[1, 2, 3]], PARAMS, None)[0].chunk_sizes is None   # a plain prompt: the budget splits it
     assert eng.generate([[1, 2, 3]], PARAMS)[0].chunk_reuse is None
 
 

@@ -171,8 +171,8 @@ def test_prefill_kv_is_bitwise_invariant_to_page_size_and_page_placement(ckpt):
 
 def test_prefill_kv_serves_a_prompt_that_fills_the_whole_pool(ckpt):
     """prefill_kv computes the prompt only: a prompt of exactly num_pages pages is served, as generate serves it
-    with max_tokens=1 (its request holds a second token only so that its pages outlive the prompt's step), and
-    it caches the bits a roomier pool caches."""
+    with max_tokens=1 (its prefix job samples nothing: it holds the prompt's pages until the step computing them is
+    done), and it caches the bits a roomier pool caches."""
     prompt = PROMPTS[1][:4]
     tight = Engine(ckpt, page_size=2, num_pages=2, max_model_len=64)
     roomy = Engine(ckpt, page_size=2, num_pages=64, max_model_len=64)

@@ -533,8 +533,8 @@ def test_bad_inputs_raise_value_error_naming_the_value():
     with pytest.raises(ValueError, match="sum to 3"):
         Sequence(0, [1, 2], chunk_sizes=[1, 2])
     sched = make(num_pages=2, page_size=4)
-    with pytest.raises(ValueError, match="need 3 pages"):
-        sched.add(Sequence(0, list(range(8)), SamplingParams(max_tokens=2)))
+    with pytest.raises(ValueError, match="need 3 pages"):   # the engine core checks once, before add
+        sched.check_fits(Sequence(0, list(range(8)), SamplingParams(max_tokens=2)))
     sched.add(Sequence(1, [1, 2], SamplingParams(max_tokens=1)))
     with pytest.raises(ValueError, match="id 1"):
         sched.add(Sequence(1, [3], SamplingParams(max_tokens=1)))

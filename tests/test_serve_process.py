@@ -29,7 +29,8 @@ from benchmarks.bench_http_overhead import MODEL as FAKE_MODEL, FakeEngine
 from chunkwise.engine import Engine
 from chunkwise.sampling import SamplingParams
 from chunkwise.serve.cli import serving
-from chunkwise.serve.engine_core import EngineCore, EngineStartError, settled_heap
+from chunkwise.engine.core import CoreOutput
+from chunkwise.serve.engine_core import EngineCore, EngineStartError, Outputs, settled_heap
 from chunkwise.serve.engine_loop import Submission
 
 REPO = Path(__file__).resolve().parents[1]
@@ -214,6 +215,31 @@ def test_stopping_while_an_event_loop_still_receives_takes_the_pipe_from_it(tiny
             _, out = outs.get_nowait()
             finished += [out.finish_reason] if out.finished else []
         assert finished == ["abort"], (rids, finished)
+
+
+def test_the_engine_process_sends_token_ids_only_and_the_servers_streams_carry_text(tiny_ckpt_with_byte_tokenizer,
+                                                                                      local):
+    core = EngineCore(tiny_ckpt_with_byte_tokenizer, KW)
+    core.start()
+    received = []
+    handle = core._handle
+    core._handle = lambda message: (received.append(message), handle(message))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    try:
+        with receiving_loop(core) as loop:
+            outs = asyncio.Queue()
+            core.submit(Submission([[5, 6, 7]], [params], outs, loop, time.monotonic())).result(60)
+            streamed = []
+            while not streamed or not streamed[-1].finished:
+                streamed.append(asyncio.run_coroutine_threadsafe(outs.get(), loop).result(60)[1])
+    finally:
+        core.stop()
+    sent = [o for m in received if isinstance(m, Outputs) for o in m.outputs]
+    assert sent and all(type(o) is CoreOutput for o in sent), {type(o).__name__ for o in sent}
+    assert sent[-1].output.text == "" and not any(hasattr(o, "new_text") for o in sent)
+    want = local.generate([[5, 6, 7]], params)[0]
+    assert want.text and "".join(o.new_text for o in streamed) == streamed[-1].output.text == want.text
+    assert [t for o in streamed for t in o.new_token_ids] == want.token_ids
 
 
 def test_a_large_submission_while_the_engine_waits_for_the_server_to_read_does_not_deadlock():

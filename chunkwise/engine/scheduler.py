@@ -42,7 +42,7 @@ class ScheduledBatch:
 
     def __post_init__(self):
         self.ends = [s.num_computed_tokens + n for s, n in zip(self.seqs, self.num_new_tokens)]
-        self.samples = [end == s.num_tokens for s, end in zip(self.seqs, self.ends)]
+        self.samples = [end == s.num_tokens and not s.prefill_only for s, end in zip(self.seqs, self.ends)]
 
     @property
     def is_empty(self) -> bool:
@@ -110,15 +110,13 @@ class Scheduler:
         self.seqs: dict[int, Sequence] = {}      # every unfinished sequence by id
         self._alone: Sequence | None = None      # its oversized chunk runs alone in the next step
 
-    def add(self, seq: Sequence, check_fits: bool = True) -> None:
-        """Queue a new sequence; check_fits=False only for one whose caller checked the tokens it will compute."""
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence, which its caller checked to fit the pool (`check_fits`)."""
         if seq.seq_id in self.seqs:
             raise ValueError(f"sequence id {seq.seq_id!r} is already scheduled")
         if seq.status is not SequenceStatus.WAITING or seq.page_table:
             raise ValueError(f"sequence {seq.seq_id} is {seq.status.name} with pages {seq.page_table}; "
                              f"only a new sequence can be added")
-        if check_fits:
-            self.check_fits(seq)
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 

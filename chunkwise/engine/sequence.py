@@ -68,6 +68,7 @@ class Sequence:
         self.error: str | None = None          # why the request failed (finish_reason "error")
         # The validated request it came from (its pieces and reuse mode), None for a sequence built from ids.
         self.request: Request | None = None
+        self.prefill_only = False              # a prefix job (EngineCore.compute_prefix): computes its prompt, samples nothing
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "

@@ -6,17 +6,22 @@ clients' inter-token latency grew with it. Here the engine runs in a spawned pro
 
 - `EngineCore` is the server's side. It has EngineLoop's interface (submit, register_chunk, unpin, abort,
   abort_all, stop, num_waiting, num_running, kv_pages_used, failure, streams), so the app cannot tell them apart,
-  and an `EngineView` as its `engine`: the config, the tokenizer, a mirror of the chunk registry, all the app reads
-  to validate a request before the engine sees it. The server's event loop itself receives the engine's messages
+  and as its `engine` the engine's own `Frontend` (chunkwise/engine/frontend.py), sent over once built: the config,
+  the tokenizer, the request validation and the chunk registry, the very code the engine validates with. Requests
+  are validated here and cross as `Request`s; chunks are issued here once the engine computed them. The engine
+  process sends token ids only: the server's `OutputProcessor` decodes their text. The server's event loop itself
+  receives the engine's messages
   (`attach`: a reader on the pipe) and routes outputs through `Streams`, which stamps the tokens' times there: one
   wake-up per step. A thread receiving them had to wake, take the GIL from the event loop, then wake the event loop
   (measured: docs/BENCHMARKS.md, "Behind the code: engine_core"). The
   server's messages go out through a thread of their own (`_send_all`), so the event loop, the pipe's only reader,
   never blocks writing: an engine process blocked on a full pipe of outputs would never read the rest of a
   submission larger than the pipe holds.
-- `_core_main` is the engine's side: a single-threaded loop that takes the server's messages between steps
-  (the same order as EngineLoop: aborts, calls, submissions), steps while any request is unfinished, and sends each
-  step's outputs as one message, with the queue depths and pages used.
+- `_core_main` is the engine's side: a single-threaded loop over the engine's `EngineCore` that takes the server's
+  messages between steps (the same order as EngineLoop: aborts, calls, submissions), steps while any request or
+  chunk job is unfinished, and sends each step's outputs as one message, with the queue depths and pages used.
+
+Messages are dataclasses, each handled through a table by its type.
 
 One duplex pipe carries both directions, in order: a submission's request ids reach the server before any of
 their outputs. The engine process ignores SIGINT (Ctrl-C reaches the whole process group; the server drives the
@@ -35,55 +40,116 @@ import threading
 import time
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from chunkwise.chunks import ChunkRegistry
 from chunkwise.engine import Engine
-from chunkwise.engine.llm_engine import check_blend
-from chunkwise.engine_config import EngineConfig
-from chunkwise.serve.engine_loop import Streams, Submission, abort_requests, add_samples
-from chunkwise.tokenizer import load_tokenizer
+from chunkwise.engine.core import CoreOutput, EngineStats, PrefixOutput
+from chunkwise.engine.frontend import Frontend
+from chunkwise.engine.outputs import OutputProcessor
+from chunkwise.requests import Request, single_prompt
+from chunkwise.serve.engine_loop import Streams, Submission
 
 log = logging.getLogger("chunkwise.serve")
 
 START_TIMEOUT_S = 600   # building the engine: loading (or converting) a checkpoint, capturing CUDA graphs
 EXIT_WAIT_S = 1         # for the exit code of an engine process whose pipe closed (it is exiting)
-_CALLS = ("register_chunk", "unpin")   # the engine methods the server may call by name
 
 
 class EngineStartError(RuntimeError):
     """The engine process could not build its engine; the message is the engine's error, its type first."""
 
 
+# ---- messages: server -> engine ---------------------------------------------------------------------------
 @dataclass(frozen=True)
-class _Hello:
-    """What the engine process tells the server once its engine is built."""
-    config: EngineConfig
-    chunk_registry: str      # the engine's ChunkRegistry name, which its Chunk handles carry
+class Submit:
+    """One submission's requests, validated by the server: added all or none."""
+    sid: int
+    requests: list[Request]
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_ids: list[int] | None   # None: every request in flight
+
+
+@dataclass(frozen=True)
+class ComputeChunk:
+    """Compute a chunk's prefix (and pin its pages) for `register_chunk`."""
+    cid: int
+    request: Request
+    pin: bool
+
+
+@dataclass(frozen=True)
+class Unpin:
+    cid: int
+    pages: list[int]
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+# ---- messages: engine -> server ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Ready:
+    """The engine is built: its frontend (validation and chunk registry, for the server's side) and pool size."""
+    frontend: Frontend
     num_pages: int
 
 
 @dataclass(frozen=True)
-class _Load:
-    """The engine's queue depths and pages used, as of its last message."""
-    waiting: int = 0
-    running: int = 0
-    pages_used: int = 0
+class StartFailed:
+    error: str
 
 
-class EngineView:
-    """The server's view of an engine in another process: what validating a request reads (its config, tokenizer,
-    chunk registry and blend check), none of its state."""
+@dataclass(frozen=True)
+class Outputs:
+    """One step's (or aborts') outputs, in token ids, with the engine's load after them."""
+    outputs: list[CoreOutput]
+    load: EngineStats
 
-    def __init__(self, hello: _Hello):
-        self.engine_config = config = hello.config
-        self.model_config, self.max_model_len = config.model_config, config.max_model_len
-        self.tokenizer = load_tokenizer(config.path)
-        # only this server registers chunks with its engine, so counting those it registered keeps the mirror exact
-        self.chunks = ChunkRegistry("", name=hello.chunk_registry)
 
-    def check_blend(self, blend, index: int = 0) -> None:
-        check_blend(self.engine_config, blend, index)
+@dataclass(frozen=True)
+class Added:
+    sid: int
+    request_ids: list[int]
+    load: EngineStats
+
+
+@dataclass(frozen=True)
+class Refused:
+    sid: int
+    error: Exception
+
+
+@dataclass(frozen=True)
+class CallDone:
+    """A ComputeChunk's or Unpin's answer: the prefix job's output, or the error refusing it."""
+    cid: int
+    prefix: PrefixOutput | None = None
+    error: Exception | None = None
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: str
+
+
+@dataclass(frozen=True)
+class Stopped:
+    pass
+
+
+_IDLE = EngineStats(0, 0, 0, 0, 0, 0)
+
+
+@dataclass
+class _Call:
+    future: Future
+    ids: list[int] = field(default_factory=list)   # a chunk's, to issue its handle with
+    pin: bool = False
 
 
 class EngineCore:
@@ -94,19 +160,22 @@ class EngineCore:
         class is given (a stand-in for measuring the server alone; importable, so the spawned process finds it)."""
         self.streams = Streams()
         self.failure: str | None = None
-        self.engine: EngineView | None = None           # once started
+        self.engine: Frontend | None = None             # once started
+        self.outputs: OutputProcessor | None = None     # once started
         self._model, self._kwargs, self._engine_class = str(model), dict(engine_kwargs or {}), engine_class
         self._conn = self._process = None
         self._loop: asyncio.AbstractEventLoop | None = None   # the event loop receiving, once attached
         self._done = False       # the engine process sent its last message (stopped, failed) or closed its pipe
-        self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()   # for the sender; None ends it
+        self._outbox: queue.SimpleQueue[object | None] = queue.SimpleQueue()   # for the sender; None ends it
         self._sender: threading.Thread | None = None
         self._ids = itertools.count()
-        self._submissions: dict[int, Submission] = {}    # sent, not yet answered
-        self._calls: dict[int, tuple[str, Future]] = {}
-        self._load = _Load()
+        self._submissions: dict[int, tuple[Submission, list[Request]]] = {}    # sent, not yet answered
+        self._calls: dict[int, _Call] = {}
+        self._load = _IDLE
         self._num_pages = 0
         self._stopping = False
+        self._handlers = {Outputs: self._on_outputs, Added: self._on_added, Refused: self._on_refused,
+                          CallDone: self._on_call_done, Failed: self._on_failed, Stopped: self._on_stopped}
 
     # ---- lifetime ------------------------------------------------------------------------------------
     def start(self, timeout: float = START_TIMEOUT_S) -> None:
@@ -122,7 +191,7 @@ class EngineCore:
         try:
             if not self._conn.poll(timeout):
                 raise RuntimeError(f"the engine process did not build its engine within {timeout:.0f} s")
-            kind, payload = self._conn.recv()
+            hello = self._conn.recv()
         except (EOFError, OSError):
             self._process.join(5)
             raise RuntimeError(f"the engine process exited while building its engine (exit code "
@@ -130,12 +199,12 @@ class EngineCore:
         except BaseException:
             self._kill()
             raise
-        if kind == "error":
+        if isinstance(hello, StartFailed):
             self._process.join(30)
             self._conn.close()
-            raise EngineStartError(payload)
-        self.engine = EngineView(payload)
-        self._num_pages = payload.num_pages
+            raise EngineStartError(hello.error)
+        self.engine, self._num_pages = hello.frontend, hello.num_pages
+        self.outputs = OutputProcessor(self.engine.tokenizer)
         self._sender = threading.Thread(target=self._send_all, name="chunkwise-engine-core-sender", daemon=True)
         self._sender.start()
 
@@ -158,7 +227,7 @@ class EngineCore:
         self._stopping = True
         deadline = time.monotonic() + timeout
         self._take_from_loop(timeout)
-        self._send(("stop",))
+        self._send(Stop())
         while not self._done and self._conn.poll(max(0.0, deadline - time.monotonic())):
             self._receive()
         self._outbox.put(None)
@@ -188,39 +257,70 @@ class EngineCore:
 
     # ---- called from the event loop (or a signal handler) ----------------------------------------------
     def submit(self, sub: Submission) -> Future:
-        """Send the samples to the engine; the future holds their request ids or the engine's error."""
+        """Validate the samples here (the engine's own checks: TypeError/ValueError naming the bad value) and send
+        them to the engine; the future holds their request ids or the error."""
         if self._refused(sub.future) or not sub.future.set_running_or_notify_cancel():
             return sub.future
+        try:
+            requests = [self.engine.requests(single_prompt(ids), p, [None], r)[0]
+                        for ids, p, r in zip(sub.prompts, sub.params, sub.reuse or ["exact"] * len(sub.prompts))]
+        except Exception as exc:
+            sub.future.set_exception(exc)
+            return sub.future
         sid = next(self._ids)
-        self._submissions[sid] = sub
-        if not self._send(("add", sid, sub.prompts, sub.params, sub.reuse)):
+        self._submissions[sid] = (sub, requests)
+        if not self._send(Submit(sid, requests)):
             self._submissions.pop(sid, None)
             sub.future.set_exception(RuntimeError(self.failure))
         return sub.future
 
     def register_chunk(self, prompt, pin: bool) -> Future:
-        """`Engine.register_chunk(prompt, pin=pin)` between steps; the future holds the Chunk or the error."""
-        return self._call("register_chunk", prompt, pin)
+        """`Engine.register_chunk(prompt, pin=pin)`: validated and issued here, computed by the engine between
+        steps; the future holds the Chunk or the error."""
+        future: Future = Future()
+        if self._refused(future):
+            return future
+        future.set_running_or_notify_cancel()
+        try:
+            ids, request = self.engine.chunk_job(prompt, pin)
+        except Exception as exc:
+            future.set_exception(exc)
+            return future
+        if request is None:   # nothing to compute: only a handle
+            future.set_result(self.engine.issue(ids, [] if pin else None))
+            return future
+        self._call(ComputeChunk(next(self._ids), request, pin), _Call(future, ids, pin))
+        return future
 
     def unpin(self, chunk) -> Future:
-        return self._call("unpin", chunk)
+        future: Future = Future()
+        if self._refused(future):
+            return future
+        future.set_running_or_notify_cancel()
+        try:
+            pages = self.engine.unpin(chunk)
+        except Exception as exc:
+            future.set_exception(exc)
+            return future
+        self._call(Unpin(next(self._ids), pages), _Call(future))
+        return future
 
     def abort(self, request_ids) -> None:
         """Abort these requests (those still running); returns at once."""
         request_ids = list(request_ids)
         if request_ids:
-            self._send(("abort", request_ids))
+            self._send(Abort(request_ids))
 
     def abort_all(self) -> None:
-        self._send(("abort", None))
+        self._send(Abort(None))
 
     def num_waiting(self) -> int:
         """Requests not yet admitted: sent but not yet answered, or in the scheduler's waiting queue (as of the
         engine's last message, so at worst a step stale)."""
-        return len(self._submissions) + self._load.waiting
+        return len(self._submissions) + self._load.num_waiting
 
     def num_running(self) -> int:
-        return self._load.running
+        return self._load.num_running
 
     def kv_pages_used(self) -> int:
         return self._load.pages_used
@@ -228,17 +328,11 @@ class EngineCore:
     def kv_pages_total(self) -> int:
         return self._num_pages
 
-    def _call(self, name: str, *args) -> Future:
-        future: Future = Future()
-        if self._refused(future):
-            return future
-        future.set_running_or_notify_cancel()
-        cid = next(self._ids)
-        self._calls[cid] = (name, future)
-        if not self._send(("call", cid, name, args)):
-            self._calls.pop(cid, None)
-            future.set_exception(RuntimeError(self.failure))
-        return future
+    def _call(self, message, call: _Call) -> None:
+        self._calls[message.cid] = call
+        if not self._send(message):
+            self._calls.pop(message.cid, None)
+            call.future.set_exception(RuntimeError(self.failure))
 
     def _refused(self, future: Future) -> bool:
         if self._stopping or self.failure is not None:
@@ -246,7 +340,7 @@ class EngineCore:
             return True
         return False
 
-    def _send(self, message: tuple) -> bool:
+    def _send(self, message) -> bool:
         """Queues the message for the sender thread; False once the pipe has closed (the engine process gone: the
         receiving side reports it)."""
         if not self._sender.is_alive():
@@ -278,35 +372,47 @@ class EngineCore:
             return
         self._handle(message)
 
-    def _handle(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "outputs":
-            _, outs, self._load = message
-            self.streams.deliver(outs)
-        elif kind == "added":
-            _, sid, rids, self._load = message
-            sub = self._submissions.pop(sid)
-            self.streams.add(sub, rids)   # before the future: its outputs may come next
-            sub.future.set_result(rids)
-        elif kind == "refused":
-            _, sid, exc = message
-            self._submissions.pop(sid).future.set_exception(exc)
-        elif kind == "result":
-            _, cid, ok, value = message
-            name, future = self._calls.pop(cid)
-            if not ok:
-                future.set_exception(value)
-                return
-            if name == "register_chunk":
-                chunks = self.engine.chunks
-                chunks.num_issued = max(chunks.num_issued, value.chunk_id + 1)
-            future.set_result(value)
-        elif kind == "failed":
-            self._end()
-            self._fail(f"the engine failed: {message[1]}")
-        elif kind == "stopped":
-            self._end()
-            self._refuse_pending(RuntimeError("the server is shutting down"))
+    def _handle(self, message) -> None:
+        self._handlers[type(message)](message)
+
+    def _on_outputs(self, m: Outputs) -> None:
+        """The step's token ids become text here, in the server's process."""
+        self._load = m.load
+        self.outputs.process(m.outputs)
+        self.streams.deliver(self.outputs.take_unclaimed())
+
+    def _on_added(self, m: Added) -> None:
+        self._load = m.load
+        sub, requests = self._submissions.pop(m.sid)
+        for rid, request in zip(m.request_ids, requests):
+            self.outputs.add(rid, request.pieces, stream=True)
+        self.streams.add(sub, m.request_ids)   # before the future: its outputs may come next
+        sub.future.set_result(m.request_ids)
+
+    def _on_refused(self, m: Refused) -> None:
+        self._submissions.pop(m.sid)[0].future.set_exception(m.error)
+
+    def _on_call_done(self, m: CallDone) -> None:
+        call = self._calls.pop(m.cid)
+        done = m.prefix
+        if m.error is not None:
+            call.future.set_exception(m.error)
+        elif done is None:   # an unpin
+            call.future.set_result(None)
+        elif done.error is not None:
+            call.future.set_exception(RuntimeError(f"register_chunk: computing the chunk failed: {done.error}"))
+        elif done.refused is not None:
+            call.future.set_exception(done.refused)
+        else:
+            call.future.set_result(self.engine.issue(call.ids, done.pinned if call.pin else None))
+
+    def _on_failed(self, m: Failed) -> None:
+        self._end()
+        self._fail(f"the engine failed: {m.error}")
+
+    def _on_stopped(self, _m: Stopped) -> None:
+        self._end()
+        self._refuse_pending(RuntimeError("the server is shutting down"))
 
     def _end(self) -> None:
         """The engine process will send nothing more."""
@@ -322,9 +428,9 @@ class EngineCore:
     def _refuse_pending(self, error: Exception) -> None:
         """The submissions and calls the engine will never answer."""
         for sid in list(self._submissions):
-            self._submissions.pop(sid).future.set_exception(error)
+            self._submissions.pop(sid)[0].future.set_exception(error)
         for cid in list(self._calls):
-            self._calls.pop(cid)[1].set_exception(error)
+            self._calls.pop(cid).future.set_exception(error)
 
 
 @contextmanager
@@ -347,89 +453,97 @@ def _core_main(conn, model: str, engine_kwargs: dict, engine_class: type | None)
     try:
         engine = (engine_class or Engine)(model, **engine_kwargs)
     except Exception as e:   # one line: the engine's errors name what is wrong
-        conn.send(("error", f"{type(e).__name__}: {' '.join(str(e).split())}"))
+        conn.send(StartFailed(f"{type(e).__name__}: {' '.join(str(e).split())}"))
         return
     try:
-        conn.send(("ready", _Hello(engine.engine_config, engine.chunks.name, engine.page_pool.num_pages)))
+        conn.send(Ready(engine.frontend, engine.stats().num_pages))
         with settled_heap():
-            _CoreLoop(engine, conn).run()
+            _CoreLoop(engine.core, conn).run()
     finally:
         engine.close()
         conn.close()
 
 
+_ORDER = {Stop: 0, Abort: 1, ComputeChunk: 2, Unpin: 2, Submit: 3}   # EngineLoop's order: aborts, calls, submissions
+
+
 class _CoreLoop:
-    def __init__(self, engine, conn):
-        self.engine, self.conn = engine, conn
-        self.live: set[int] = set()    # request ids added and not yet finished
+    """The engine process's loop over its core: the server's messages between steps, then a step."""
+
+    def __init__(self, core, conn):
+        self.core, self.conn = core, conn
+        self.live: set[int] = set()       # request ids added and not yet finished
+        self.chunks: dict[int, int] = {}  # a chunk's prefix job (its request id) -> the server's call id
+        self._handlers = {Abort: self._abort, ComputeChunk: self._compute_chunk, Unpin: self._unpin,
+                          Submit: self._add}
 
     def run(self) -> None:
-        engine = self.engine
+        core = self.core
         while True:
             try:
-                if not engine.has_unfinished():
+                if not core.has_unfinished():
                     self.conn.poll(None)
                 messages = []
                 while self.conn.poll():
                     messages.append(self.conn.recv())
             except (EOFError, OSError):   # the server is gone
                 return
-            # EngineLoop's order: aborts, then calls, then submissions
-            messages.sort(key=lambda m: {"stop": 0, "abort": 1, "call": 2}.get(m[0], 3))
-            if messages and messages[0][0] == "stop":
-                self._abort(list(self.live))
-                self.conn.send(("stopped",))
+            messages.sort(key=lambda m: _ORDER[type(m)])
+            if messages and isinstance(messages[0], Stop):
+                self._abort(Abort(list(self.live)))
+                self.conn.send(Stopped())
                 return
-            called = False
             for m in messages:
-                if m[0] == "abort":   # ids the server was given; a finished one has nothing to abort
-                    self._abort(list(self.live) if m[1] is None else m[1])
-                elif m[0] == "call":
-                    called = True
-                    self._call(*m[1:])
-                else:
-                    self._add(*m[1:])
-            # a call may step the engine itself (register_chunk computes the chunk): streamed requests' outputs
-            # made then wait in the engine's backlog for the next step(), taken even if nothing is unfinished
-            if not engine.has_unfinished() and not called:
+                self._handlers[type(m)](m)
+            if not core.has_unfinished():
                 continue
             try:
-                outs = engine.step()
-            except Exception as exc:   # not contained by the engine (it contains a failing step's requests)
-                self.conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+                outs = core.step()
+            except Exception as exc:   # not contained by the core (it contains a failing step's requests)
+                self.conn.send(Failed(f"{type(exc).__name__}: {exc}"))
                 return
             self._send_outputs(outs)
 
-    def _load(self) -> _Load:
-        sched, pool = self.engine.scheduler, self.engine.page_pool
-        return _Load(len(sched.waiting), len(sched.running), pool.num_pages - pool.num_free_pages)
-
-    def _send_outputs(self, outs) -> None:
+    def _send_outputs(self, outs: list) -> None:
+        tokens = []
         for out in outs:
+            if isinstance(out, PrefixOutput):
+                self.conn.send(CallDone(self.chunks.pop(out.request_id), prefix=out))
+                continue
             if out.finished:
                 self.live.discard(out.request_id)
-        self.conn.send(("outputs", outs, self._load()))
+            tokens.append(out)
+        self.conn.send(Outputs(tokens, self.core.stats()))
 
-    def _abort(self, rids) -> None:
-        outs = abort_requests(self.engine, rids)
+    def _abort(self, m: Abort) -> None:
+        """Ids the server was given; a finished one has nothing to abort."""
+        outs = [out for rid in (list(self.live) if m.request_ids is None else m.request_ids)
+                if (out := self.core.abort(rid)) is not None]
         if outs:
             self._send_outputs(outs)
 
-    def _call(self, cid: int, name: str, args: tuple) -> None:
-        assert name in _CALLS, name
+    def _compute_chunk(self, m: ComputeChunk) -> None:
         try:
-            self.conn.send(("result", cid, True, getattr(self.engine, name)(*args)))
+            self.chunks[self.core.compute_prefix(m.request, pin=m.pin)] = m.cid
         except Exception as exc:
-            self.conn.send(("result", cid, False, _portable(exc)))
+            self.conn.send(CallDone(m.cid, error=_portable(exc)))
 
-    def _add(self, sid: int, prompts: list, params: list, reuse: list | None) -> None:
+    def _unpin(self, m: Unpin) -> None:
         try:
-            rids = add_samples(self.engine, prompts, params, reuse)
-        except Exception as exc:   # validation: nothing of this submission stays queued
-            self.conn.send(("refused", sid, _portable(exc)))
+            self.core.unpin(m.pages)
+        except Exception as exc:
+            self.conn.send(CallDone(m.cid, error=_portable(exc)))
+            return
+        self.conn.send(CallDone(m.cid))
+
+    def _add(self, m: Submit) -> None:
+        try:
+            rids = self.core.add_requests(m.requests)
+        except Exception as exc:   # the pool: nothing of this submission stays queued
+            self.conn.send(Refused(m.sid, _portable(exc)))
             return
         self.live.update(rids)
-        self.conn.send(("added", sid, rids, self._load()))
+        self.conn.send(Added(m.sid, rids, self.core.stats()))
 
 
 def _portable(exc: Exception) -> Exception:

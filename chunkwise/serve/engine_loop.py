@@ -224,17 +224,16 @@ class EngineLoop:
     def num_waiting(self) -> int:
         """Requests not yet admitted: in the inbox or the scheduler's waiting queue. Read without the engine's
         lock (lengths only), so at worst one step stale."""
-        return self._submissions.qsize() + len(self.engine.scheduler.waiting)
+        return self._submissions.qsize() + self.engine.stats().num_waiting
 
     def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
+        return self.engine.stats().num_running
 
     def kv_pages_used(self) -> int:
-        pool = self.engine.page_pool
-        return pool.num_pages - pool.num_free_pages
+        return self.engine.stats().pages_used
 
     def kv_pages_total(self) -> int:
-        return self.engine.page_pool.num_pages
+        return self.engine.stats().num_pages
 
     # ---- the engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
