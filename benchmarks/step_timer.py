@@ -54,10 +54,10 @@ class StepTimer:
         setattr(obj, name, timed)
 
     def _inspect(self, host):
-        # Decode-only: every sequence computes one token (a blended prefill's rows are not its tokens). Not
+        # Decode-only: every sequence computes one token (a row plan's rows are not its tokens). Not
         # num_prefill == 0: short decodes take paged_attention's rows, counted there, on CPU (split_kv_threshold 256)
         # and in deterministic mode (no split-KV).
-        decode_only = host.blend is None and len(host.ids) == len(host.seq_lens)
+        decode_only = host.row_plan is None and len(host.ids) == len(host.seq_lens)
         self._current.update(tokens=len(host.ids), decode_only=decode_only, batch=len(host.seq_lens),
                              context_lens=np.asarray(host.seq_lens, np.int64))
 

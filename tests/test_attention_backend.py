@@ -4,9 +4,10 @@ at their sequences' ends), split where chunkwise's kernel would split them, and 
 kernel; the tokens stay the reference engine's. Decodes take split-KV as on a GPU (split_kv_threshold=0; on the CPU
 short ones would otherwise join the prefill rows).
 """
+import importlib
+
 import pytest
 
-from chunkwise import engine_config
 from chunkwise.chunks import Blend
 from chunkwise.engine import Engine, SamplingParams
 from chunkwise.engine import model as engine_model
@@ -28,7 +29,8 @@ def fa3_calls(monkeypatch):
         return paged_attention_ref(q, k_cache, v_cache, page_tables, seq_lens, query_start_loc, scale,
                                    sliding_window=sliding_window, out=out)
 
-    monkeypatch.setattr(engine_config, "fa3_unavailable", lambda device, dtype, head_dim: None)
+    monkeypatch.setattr(importlib.import_module("chunkwise.open_config"), "fa3_unavailable",
+                        lambda device, dtype, head_dim: None)
     monkeypatch.setattr(engine_model, "fa3_paged_attention", twin)
     return calls
 
