@@ -139,3 +139,22 @@ def tiny_ckpt_with_byte_tokenizer(tmp_path_factory):
     shutil.copytree(tiny_checkpoint("qwen3"), path)
     byte_level_tokenizer(TINY_VOCAB_SIZE).save_pretrained(path)
     return path
+
+
+SIMPLE_CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_ckpt(tiny_ckpt_with_byte_tokenizer, tmp_path_factory):
+    """The byte-tokenizer tiny Qwen3 plus a simple chat template (a role line per message)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("chat") / "tiny-qwen3-chat"
+    shutil.copytree(tiny_ckpt_with_byte_tokenizer, path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = SIMPLE_CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    return path

@@ -12,7 +12,6 @@ import contextlib
 import io
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -135,17 +134,9 @@ def test_the_readme_stays_reference_sized():
 
 
 @pytest.fixture(scope="module")
-def tiny_text(tiny_ckpt_with_byte_tokenizer, tmp_path_factory):
+def tiny_text(tiny_chat_ckpt):
     """What `model=tiny-text` stands for: the byte-tokenizer tiny Qwen3 plus a chat template."""
-    from transformers import AutoTokenizer
-
-    path = tmp_path_factory.mktemp("readme") / "tiny-text"
-    shutil.copytree(tiny_ckpt_with_byte_tokenizer, path)
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}<s>assistant: {% endif %}")
-    tok.save_pretrained(path)
-    return path
+    return tiny_chat_ckpt
 
 
 def substitute_models(code: str, block: Block, path: Path) -> str:

@@ -39,19 +39,8 @@ LONG = 500   # max_tokens of a request meant to be cut short: ~a minute of steps
 
 
 @pytest.fixture(scope="module")
-def chat_ckpt(tiny_ckpt_with_byte_tokenizer, tmp_path_factory):
-    """The byte-tokenizer tiny Qwen3 plus a simple chat template."""
-    import shutil
-
-    from transformers import AutoTokenizer
-
-    path = tmp_path_factory.mktemp("chat") / "tiny-qwen3-chat"
-    shutil.copytree(tiny_ckpt_with_byte_tokenizer, path)
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}<s>assistant: {% endif %}")
-    tok.save_pretrained(path)
-    return path
+def chat_ckpt(tiny_chat_ckpt):
+    return tiny_chat_ckpt
 
 
 @pytest.fixture(scope="module")
