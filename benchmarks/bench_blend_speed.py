@@ -78,6 +78,13 @@ def sync():
     torch.cuda.synchronize()
 
 
+def keep(benchmark, case: str, out: dict) -> None:
+    """A case's results, per mode, kept for the module and the benchmark's JSON (the case's timing is its own)."""
+    RESULTS[case] = out
+    benchmark.extra_info.update(out)
+    benchmark.pedantic(lambda: None, rounds=1)
+
+
 def computed_rows(mode, reuse, num_cached: int, prompt_len: int, num_layers: int) -> tuple[list[int], int]:
     """(rows computed at each layer, tokens whose K/V were moved into place) of one request, from its reuse report
     and the blend's rules (chunkwise/engine/blend.py): plain and exact compute every uncached row at every layer;
@@ -144,9 +151,7 @@ def test_ttft_of_a_composed_request(benchmark, setup, ceilings, ckpt):
               f"({1 / r['vs_plain']:.2f}x as fast), {r['pct_roofline']:.0f}% of its roofline "
               f"({r['roofline_ms']:.1f} ms); tokens exact/blended/recomputed {r['reuse_exact_blended_recomputed']}; "
               f"steps {r['steps']}")
-    RESULTS["ttft"] = out
-    benchmark.extra_info.update(out)
-    benchmark.pedantic(lambda: None, rounds=1)
+    keep(benchmark, "ttft", out)
 
 
 def test_rag_workload_throughput(benchmark, setup, ceilings, ckpt):
@@ -173,9 +178,7 @@ def test_rag_workload_throughput(benchmark, setup, ceilings, ckpt):
         r["vs_plain"] = r["tokens_per_s"] / out["plain"]["tokens_per_s"]
         print(f"[rag] {name}: {r['tokens_per_s']:.0f} tok/s in {r['seconds']:.2f} s, {r['vs_plain']:.2f}x plain, "
               f"{r['pct_roofline']:.0f}% of the recompute roofline ({roof['tokens_per_s']:.0f} tok/s)")
-    RESULTS["rag"] = out
-    benchmark.extra_info.update(out)
-    benchmark.pedantic(lambda: None, rounds=1)
+    keep(benchmark, "rag", out)
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +245,4 @@ def test_prefill_bound_rag_workload(benchmark, rag2, ceilings, ckpt):
         r["vs_plain"] = r["tokens_per_s"] / out["plain"]["tokens_per_s"]
         print(f"[prefill-bound rag] {name}: {r['tokens_per_s']:.0f} tok/s ({r['vs_plain']:.2f}x plain), TTFT p50 "
               f"{r['ttft_p50_ms']:.0f} ms, p99 {r['ttft_p99_ms']:.0f} ms over {RAG2_REQUESTS} requests")
-    RESULTS["prefill_bound_rag"] = out
-    benchmark.extra_info.update(out)
-    benchmark.pedantic(lambda: None, rounds=1)
+    keep(benchmark, "prefill_bound_rag", out)
