@@ -56,8 +56,8 @@ def score_modes(engine, prompt: list, answer: list[int], modes: dict) -> dict[st
         return torch.log_softmax(model.extend(forced, len(ids), k, v)[0].float(), dim=-1)
 
     full = answer_logprobs(full_k, full_v)
-    def blend(b: Blend, selection=None) -> BlendResult:   # the chunks' isolated K/V memoised by the engine
-        return blend_prefill(model, ids, pieces, b, isolated=engine._isolated, selection=selection)
+    def blend(b: Blend, selection=None) -> BlendResult:   # the chunks' variants' K/V memoised by the engine
+        return blend_prefill(model, ids, pieces, b, variant_kv=engine._variant_kv, selection=selection)
 
     moved = blend(Blend(0.0))
     dev = deviation(full_k, full_v, moved)

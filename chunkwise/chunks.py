@@ -12,6 +12,12 @@ exactly the pieces' ids side by side; a BOS or chat-template ids go in an id pie
 output equals generating the concatenated ids), or "blend" (== `Blend()`) or a `Blend`: CacheBlend-style
 composition of chunks' own K/V at any position, recomputing a share of the tokens (issue #28 §3).
 `ChunkReuse` reports, per piece, what the cache supplied.
+
+A chunk may be registered *after a context* (`register_chunk(prompt, after=...)`, issue #50 §1): its K/V are
+computed once as the continuation of the context's ids, kept under (the context's hash chain, the chunk's tokens).
+Each (context, chunk ids) pair is a *variant*; a chunk without a context is its isolated variant (`NO_CONTEXT`). A
+request's chunk piece uses the variant of the longest registered context that the request opens with (and that ends
+at or before the piece), else none: `Piece.context` says which, `ChunkReuse.context` which one blend mode placed.
 """
 from __future__ import annotations
 
@@ -28,17 +34,35 @@ _engine_numbers = itertools.count()
 
 
 @dataclass(frozen=True)
-class Chunk:
-    """Token ids registered with one engine; `engine` names it (another engine refuses the handle)."""
-    token_ids: tuple[int, ...]
-    chunk_id: int
-    engine: str
+class ChunkContext:
+    """The ids a chunk's K/V were computed after (a variant's context); empty: the chunk computed alone."""
+    token_ids: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     def __repr__(self) -> str:
-        return f"Chunk(id={self.chunk_id}, {len(self.token_ids)} tokens, engine={self.engine!r})"
+        return f"ChunkContext({len(self.token_ids)} tokens)"
+
+
+NO_CONTEXT = ChunkContext()
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Token ids registered with one engine; `engine` names it (another engine refuses the handle). `context`: the
+    ids its K/V were computed after (`register_chunk(after=...)`; NO_CONTEXT: computed alone, from position 0)."""
+    token_ids: tuple[int, ...]
+    chunk_id: int
+    engine: str
+    context: ChunkContext = NO_CONTEXT
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        after = f", after {len(self.context)} tokens" if self.context.token_ids else ""
+        return f"Chunk(id={self.chunk_id}, {len(self.token_ids)} tokens{after}, engine={self.engine!r})"
 
 
 @dataclass(frozen=True)
@@ -64,19 +88,25 @@ class ChunkReuse:
     """What one piece of a composite prompt reused: `exact + blended + recomputed == num_tokens`.
 
     `exact`: tokens whose K/V came from the prefix cache; `blended`: tokens whose K/V at some layer are a chunk's
-    own K/V moved to a new position (blend mode); `recomputed`: tokens computed at every layer by this request."""
+    own K/V moved to a new position (blend mode); `recomputed`: tokens computed at every layer by this request.
+    `context`: in blend mode, the context of the chunk's variant whose K/V were placed (NO_CONTEXT: its isolated
+    K/V); None when no variant was (exact mode, a text or id piece, a chunk with no variant for this request)."""
     chunk: Chunk | None          # None for a piece of plain text or ids
     num_tokens: int
     exact: int
     blended: int
     recomputed: int
+    context: ChunkContext | None = None
 
 
 @dataclass(frozen=True)
 class Piece:
-    """One piece of a composite prompt: its chunk (None for text or ids) and its number of tokens."""
+    """One piece of a composite prompt: its chunk (None for text or ids), its number of tokens, and the context of
+    the chunk's variant this prompt may use (`ChunkRegistry.variant`; NO_CONTEXT: its isolated K/V; None: no
+    variant fits, so none is placed; ignored for text and ids)."""
     chunk: Chunk | None
     num_tokens: int
+    context: ChunkContext | None = NO_CONTEXT
 
 
 def is_composite(prompt) -> bool:
@@ -123,11 +153,47 @@ class ChunkRegistry:
         self.name = name or f"{kind}#{next(_engine_numbers)}"   # given: a mirror of another process's registry
         self.num_issued = 0
         self.pinned: dict[int, object] = {}   # chunk id -> the engine's pin (its pages, or True)
+        self.variants: dict[tuple[int, ...], set[ChunkContext]] = {}   # a chunk's ids -> its registered contexts
 
-    def issue(self, token_ids: list[int]) -> Chunk:
-        chunk = Chunk(tuple(token_ids), self.num_issued, self.name)
+    def issue(self, token_ids: list[int], context: ChunkContext = NO_CONTEXT) -> Chunk:
+        chunk = Chunk(tuple(token_ids), self.num_issued, self.name, context)
         self.num_issued += 1
+        self.variants.setdefault(chunk.token_ids, set()).add(context)
         return chunk
+
+    def context(self, after, tokenizer, vocab_size: int) -> ChunkContext:
+        """The context of `register_chunk(after=...)`: None (NO_CONTEXT), or ids given as a composite prompt's are
+        (a Chunk of this engine, text, token ids, or a list of those: the concatenation of their ids; a Chunk
+        stands for its own ids, as in a prompt); else TypeError/ValueError naming it."""
+        if after is None:
+            return NO_CONTEXT
+        if hasattr(after, "tolist"):
+            after = after.tolist()
+        if isinstance(after, Chunk):
+            after = [after]
+        if isinstance(after, (list, tuple)) and after and not all_ints(after):
+            ids: list = []
+            for j, p in enumerate(after):
+                ids += self._piece(p, tokenizer, f"after[{j}]")[0]
+        else:
+            ids = self._piece(after, tokenizer, "after")[0]
+        limit = LIMIT["chunk_token_id"]
+        bad = limit.first_outside(ids, vocab_size=vocab_size)
+        if bad is not None:
+            raise ValueError(f"after holds token id {bad!r}, outside the vocabulary "
+                             f"{limit.interval(vocab_size=vocab_size)}")
+        return ChunkContext(tuple(ids))
+
+    def variant(self, chunk: Chunk, prompt_ids: list, start: int) -> ChunkContext | None:
+        """The context of the registered variant of `chunk`'s ids that a prompt of `prompt_ids`, holding the chunk
+        at `start`, may use: the longest context the prompt opens with, ending at or before `start` (NO_CONTEXT if
+        the chunk was registered alone); None when no variant fits."""
+        best = None
+        for c in self.variants.get(chunk.token_ids, ()):
+            n = len(c.token_ids)
+            if n <= start and (best is None or n > len(best.token_ids)) and tuple(prompt_ids[:n]) == c.token_ids:
+                best = c
+        return best
 
     def check(self, chunk, what: str = "chunk") -> Chunk:
         """`chunk` if this registry issued it; else ValueError (TypeError for a non-Chunk) naming it."""
@@ -164,12 +230,13 @@ class ChunkRegistry:
         """A composite prompt's concatenated ids (checked against the vocabulary by the caller) and its
         pieces; TypeError or ValueError naming the prompt and the piece."""
         ids: list = []
-        pieces = []
+        found = []
         for j, p in enumerate([prompt] if isinstance(prompt, Chunk) else list(prompt)):
             piece_ids, chunk = self._piece(p, tokenizer, f"prompt {index} piece {j}")
+            found.append((chunk, len(ids), len(piece_ids)))
             ids += piece_ids
-            pieces.append(Piece(chunk, len(piece_ids)))
-        return ids, tuple(pieces)
+        pieces = tuple(Piece(c, n, None if c is None else self.variant(c, ids, start)) for c, start, n in found)
+        return ids, pieces
 
     def _piece(self, p, tokenizer, what: str) -> tuple[list, Chunk | None]:
         """One piece's ids and chunk (None for text or ids)."""

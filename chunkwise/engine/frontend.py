@@ -7,7 +7,7 @@ core has computed (and pinned) them. The core never sees text or handles, only t
 """
 from __future__ import annotations
 
-from chunkwise.chunks import Chunk, ChunkRegistry
+from chunkwise.chunks import NO_CONTEXT, Chunk, ChunkContext, ChunkRegistry
 from chunkwise.engine_config import EngineConfig
 from chunkwise.requests import Request, validate_requests
 from chunkwise.sampling import SamplingParams
@@ -56,23 +56,27 @@ class Frontend:
         reads the config only, so a server may ask before queueing anything."""
         check_blend(self.engine_config, blend, index)
 
-    def chunk_job(self, prompt, pin) -> tuple[list[int], Request | None]:
-        """A chunk to register: its ids, and the request whose prefix the core must compute (None when it fills
-        no page, or the prefix cache is off: the chunk is only a handle)."""
+    def chunk_job(self, prompt, pin, after=None) -> tuple[list[int], ChunkContext, Request | None]:
+        """A chunk to register after the context `after`: its ids, its context, and the request whose prefix the
+        core must compute, context then chunk (None when they fill no page, or the prefix cache is off: the chunk
+        is only a handle)."""
         if not isinstance(pin, bool):
             raise ValueError(f"pin must be a bool, got {pin!r}")
         ids = self.chunks.chunk_ids(prompt, self.tokenizer, self.model_config.vocab_size)
+        context = self.chunks.context(after, self.tokenizer, self.model_config.vocab_size)
         caching = self.engine_config.enable_prefix_caching
         if pin and not caching:
             raise ValueError("register_chunk(pin=True) needs enable_prefix_caching=True: pinned pages are "
                              "prefix-cache pages")
-        if not caching or len(ids) < self.engine_config.page_size:
-            return ids, None
-        return ids, self.requests([ids], PREFIX_PARAMS)[0]
+        request = self.requests([list(context.token_ids) + ids], PREFIX_PARAMS)[0]   # they fit the model
+        if not caching or len(request.prompt_token_ids) < self.engine_config.page_size:
+            return ids, context, None
+        return ids, context, request
 
-    def issue(self, ids: list[int], pinned: list[int] | None) -> Chunk:
-        """The handle of a registered chunk; `pinned`: the pages its pin holds (None: not pinned)."""
-        chunk = self.chunks.issue(ids)
+    def issue(self, ids: list[int], pinned: list[int] | None, context: ChunkContext = NO_CONTEXT) -> Chunk:
+        """The handle of a registered chunk (a variant after `context`); `pinned`: the pages its pin holds (None:
+        not pinned)."""
+        chunk = self.chunks.issue(ids, context)
         if pinned is not None:
             self.chunks.pinned[chunk.chunk_id] = pinned
         return chunk

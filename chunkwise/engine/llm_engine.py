@@ -132,26 +132,29 @@ class Engine:
         return self.core.stats()
 
     # ---- chunks ------------------------------------------------------------------------------------
-    def register_chunk(self, prompt, pin: bool = False) -> Chunk:
+    def register_chunk(self, prompt, pin: bool = False, after=None) -> Chunk:
         """A handle to `prompt` (text, tokenized without special tokens, or token ids) for composite prompts.
 
-        Its K/V are computed once, as the opening of a prompt (positions 0 .. n-1: exact wherever the chunk
-        opens a prompt), and its full pages kept in the prefix cache. `pin=True` keeps those pages out of LRU
-        eviction until `unpin`; pinned pages are at most `max_pinned_fraction` of the pool, and a pin leaving some
-        queued request no room is refused too (ValueError; no handle is issued, the computed pages stay
-        evictable). A chunk shorter than a page fills no page: it is only a handle."""
+        Its K/V are computed once, as the continuation of the context `after` (None: as the opening of a prompt,
+        positions 0 .. n-1; else ids as a composite prompt gives them, e.g. a chat head and system prompt:
+        chunkwise/chunks.py), and the full pages of context + chunk kept in the prefix cache: exact wherever a
+        prompt opens with them, and blend mode's variant for that context (docs/ARCHITECTURE.md, "Blend mode").
+        `pin=True` keeps those pages out of LRU eviction until `unpin`; pinned pages are at most
+        `max_pinned_fraction` of the pool, and a pin leaving some queued request no room is refused too
+        (ValueError; no handle is issued, the computed pages stay evictable). Context and chunk shorter than a page
+        fill no page: the chunk is only a handle."""
         with self._lock:
             self.core.check_open()
-            ids, request = self.frontend.chunk_job(prompt, pin)
+            ids, context, request = self.frontend.chunk_job(prompt, pin, after)
             if request is None:
-                return self.frontend.issue(ids, [] if pin else None)
+                return self.frontend.issue(ids, [] if pin else None, context)
         done = self._compute_prefix(request, pin=pin)
         if done.error is not None:
             raise RuntimeError(f"register_chunk: computing the chunk failed: {done.error}")
         if done.refused is not None:
             raise done.refused
         with self._lock:
-            return self.frontend.issue(ids, done.pinned if pin else None)
+            return self.frontend.issue(ids, done.pinned if pin else None, context)
 
     def unpin(self, chunk: Chunk) -> None:
         """Let a pinned chunk's pages be evicted again (they stay cached until then)."""

@@ -1,8 +1,9 @@
 """Blend mode in plain PyTorch over dense K/V: the oracle of issue #28 §3's algorithm.
 
-A composite prompt's chunk pieces reuse their *isolated* K/V (each chunk computed alone, at positions 0..n-1)
-moved to their positions in the prompt (K re-rotated by the offset, V unchanged); a share of their tokens is
-recomputed, layer by layer, over a cache mixing fresh and moved K/V:
+A composite prompt's chunk pieces reuse a variant's K/V (each chunk computed once after its piece's context, at
+positions len(context)..: alone from 0 for the isolated variant, issue #50 §1) moved to their positions in the
+prompt (K re-rotated by start - len(context), V unchanged); a piece with no variant (context None) is computed like
+text. A share of the chunk tokens is recomputed, layer by layer, over a cache mixing fresh and moved K/V:
 
 - rows below `c0` (the leading run the fast engine's prefix cache supplies exactly) hold exact K/V and are
   never computed;
@@ -57,10 +58,18 @@ def top_candidates(deviation: torch.Tensor, positions: torch.Tensor, k: int) -> 
     return torch.sort(positions[order[:k]]).values
 
 
+def variant_forward(model: ReferenceModel, chunk, context) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K/V [layers, n, K, D] of a chunk's tokens computed after `context`'s ids (a ChunkContext), at positions
+    len(context)..: one forward over the two."""
+    ids = torch.tensor(context.token_ids + chunk.token_ids, device=model.w["model.embed_tokens.weight"].device)
+    _, k, v = model.forward(ids)
+    return k[:, len(context):], v[:, len(context):]
+
+
 def placed_kv(model: ReferenceModel, k: torch.Tensor, v: torch.Tensor, start: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A chunk's isolated k, v [layers, n, K, D] moved to positions start..: K rotated by `start` with each
-    layer's RoPE frequencies, V unchanged."""
+    """A chunk's variant k, v [layers, n, K, D] moved `start` positions on (its new start less its context's
+    length): K rotated by `start` with each layer's RoPE frequencies, V unchanged."""
     cfg = model.cfg
     delta = torch.full((k.shape[1],), start, dtype=torch.int64, device=k.device)
     moved = [rotate(k[i].transpose(0, 1), delta, model.inv_freq[cfg.layer_types[i]]).transpose(0, 1)
@@ -70,24 +79,24 @@ def placed_kv(model: ReferenceModel, k: torch.Tensor, v: torch.Tensor, start: in
 
 @torch.inference_mode()
 def blend_prefill(model: ReferenceModel, token_ids: list[int], pieces: tuple[Piece, ...] | None, blend: Blend,
-                  c0: int = 0, isolated=None, page_size: int | None = None,
+                  c0: int = 0, variant_kv=None, page_size: int | None = None,
                   selection: torch.Tensor | None = None) -> BlendResult:
     """The blended cache of a prompt (`pieces` as chunkwise.chunks.Piece, None for a plain prompt: nothing to
     blend) and its last row's logits. `c0`: the leading tokens whose K/V are exact (a prefix-cache hit), in
-    [0, L - 1]. `isolated(chunk)` -> (k, v) [layers, n, K, D] of the chunk alone, default `model.forward` on
-    its ids (an engine may pass a memo: they depend on the chunk's ids only). `page_size`: a chunk's stored
-    tokens are its full pages' (the fast engine keeps a chunk's K/V in its full pages; its tail is computed like
-    text); None: all its tokens. `selection` (bool [L], for a diagnostic): the candidates computed at every
-    layer, in place of the policy's choice."""
+    [0, L - 1]. `variant_kv(chunk, context)` -> (k, v) [layers, n, K, D] of the chunk's tokens computed after the
+    context's ids, default `variant_forward` (an engine may pass a memo: they depend on the two ids only).
+    `page_size`: a variant's stored tokens are those in the full pages of context + chunk (the fast engine keeps
+    them there; the chunk's tail is computed like text); None: all its tokens. `selection` (bool [L], for a
+    diagnostic): the candidates computed at every layer, in place of the policy's choice."""
     cfg, n_tokens = model.cfg, len(token_ids)
     if not 0 <= c0 < n_tokens:
         raise ValueError(f"c0={c0!r} must be in [0, {n_tokens - 1}] for a prompt of {n_tokens} tokens")
     if not isinstance(blend, Blend):
         raise TypeError(f"blend must be a Blend, got {type(blend).__name__} {blend!r:.80}")
     device = model.w["model.embed_tokens.weight"].device
-    if isolated is None:
-        def isolated(chunk):
-            return model.forward(torch.tensor(chunk.token_ids, device=device))[1:]
+    if variant_kv is None:
+        def variant_kv(chunk, context):
+            return variant_forward(model, chunk, context)
     ids = torch.tensor(token_ids, device=device)
     pieces = pieces if pieces is not None else (Piece(None, n_tokens),)
     r = float(blend.recompute_ratio)
@@ -101,10 +110,12 @@ def blend_prefill(model: ReferenceModel, token_ids: list[int], pieces: tuple[Pie
     start = 0
     for piece in pieces:
         end = start + piece.num_tokens
-        if piece.chunk is not None:
-            k_iso, v_iso = isolated(piece.chunk)
-            k_cache[:, start:end], v_cache[:, start:end] = placed_kv(model, k_iso, v_iso, start)
-            stored = start + (piece.num_tokens // page_size * page_size if page_size else piece.num_tokens)
+        if piece.chunk is not None and piece.context is not None:
+            n_ctx = len(piece.context)
+            k_var, v_var = variant_kv(piece.chunk, piece.context)
+            k_cache[:, start:end], v_cache[:, start:end] = placed_kv(model, k_var, v_var, start - n_ctx)
+            full = (n_ctx + piece.num_tokens) // page_size * page_size - n_ctx if page_size else piece.num_tokens
+            stored = start + max(0, full)
             candidate[max(start, c0):stored] = True
             heads[start:start + num_kept(r, piece.num_tokens)] = True
         start = end
@@ -149,6 +160,7 @@ def blend_prefill(model: ReferenceModel, token_ids: list[int], pieces: tuple[Pie
         end = start + piece.num_tokens
         exact = max(0, min(end, c0) - start)
         done = int(recomputed[start:end].sum())
-        report.append(ChunkReuse(piece.chunk, piece.num_tokens, exact, piece.num_tokens - exact - done, done))
+        report.append(ChunkReuse(piece.chunk, piece.num_tokens, exact, piece.num_tokens - exact - done, done,
+                                 None if piece.chunk is None else piece.context))
         start = end
     return BlendResult(model.logits(x[n_tokens - 1:])[0], k_cache, v_cache, tuple(report))

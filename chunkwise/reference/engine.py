@@ -6,21 +6,21 @@ validates them alike; the paging and batching ones (`REFERENCE_IGNORED`: page_si
 `chunk_sizes` are then ignored, since there are no pages and no chunks here. Registered chunks are handles
 only: in exact mode every prompt, composite or not, is recomputed in full, and its `chunk_reuse` says so. In
 blend mode (reuse="blend" or a Blend) the prompt's cache is built by chunkwise/reference/blend.py from the
-chunks' isolated K/V (computed on demand and kept per chunk: they depend on its ids only), and generated
-tokens are decoded over that cache with `ReferenceModel.extend`, one token a step.
+chunks' variants' K/V (each computed on demand after its context and kept per (context, chunk ids): they depend
+on those only), and generated tokens are decoded over that cache with `ReferenceModel.extend`, one token a step.
 """
 from __future__ import annotations
 
 import torch
 
-from chunkwise.chunks import Blend, Chunk, ChunkRegistry, reuse_report
+from chunkwise.chunks import Blend, Chunk, ChunkContext, ChunkRegistry, reuse_report
 from chunkwise.engine_config import REFERENCE_IGNORED, EngineConfig
 from chunkwise.open_config import open_config
 from chunkwise.requests import single_prompt, validate_requests
 from chunkwise.sampling import RequestOutput, SamplingParams, make_generator, sample, token_logprobs
 from chunkwise.tokenizer import decode, load_tokenizer
 from chunkwise.weights import load_weights
-from chunkwise.reference.blend import BlendResult, blend_prefill
+from chunkwise.reference.blend import BlendResult, blend_prefill, variant_forward
 from chunkwise.reference.model import ReferenceModel
 
 
@@ -35,14 +35,22 @@ class Engine:
         weights = load_weights(config.path, self.dtype, self.device, cfg=self.model_config)
         self.model = ReferenceModel(self.model_config, weights)
         self.chunks = ChunkRegistry("chunkwise.reference.Engine")
-        self.isolated_kv: dict[Chunk, tuple[torch.Tensor, torch.Tensor]] = {}   # blend mode's, per chunk
+        # blend mode's variants' K/V, per (context ids, chunk ids)
+        self.variant_kvs: dict[tuple[tuple, tuple], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def register_chunk(self, prompt, pin: bool = False) -> Chunk:
-        """A handle to `prompt` (text, tokenized without special tokens, or token ids) for composite prompts;
-        nothing is computed or kept (no cache here), so `pin` only marks it for `unpin`."""
+    def register_chunk(self, prompt, pin: bool = False, after=None) -> Chunk:
+        """A handle to `prompt` (text, tokenized without special tokens, or token ids) for composite prompts, as
+        computed after the context `after` (None, or ids as a composite prompt gives them: chunkwise/chunks.py);
+        nothing is computed or kept here (blend mode computes a variant on demand), so `pin` only marks it for
+        `unpin`."""
         if not isinstance(pin, bool):
             raise ValueError(f"pin must be a bool, got {pin!r}")
-        chunk = self.chunks.issue(self.chunks.chunk_ids(prompt, self.tokenizer, self.model_config.vocab_size))
+        vocab = self.model_config.vocab_size
+        ids = self.chunks.chunk_ids(prompt, self.tokenizer, vocab)
+        context = self.chunks.context(after, self.tokenizer, vocab)
+        validate_requests(self.model_config, self.tokenizer, self.max_model_len, [list(context.token_ids) + ids],
+                          SamplingParams(max_tokens=1, ignore_eos=True))   # context + chunk fit the model
+        chunk = self.chunks.issue(ids, context)
         if pin:
             self.chunks.pinned[chunk.chunk_id] = True
         return chunk
@@ -66,14 +74,15 @@ class Engine:
         return [self._generate_one(i, r.prompt_token_ids, r.params, r.pieces, r.reuse)
                 for i, r in enumerate(requests)]
 
-    def _isolated(self, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor]:
-        """A chunk's K/V computed alone at positions 0..n-1, each [layers, n, K, D]."""
-        if chunk not in self.isolated_kv:
-            self.isolated_kv[chunk] = self.model.forward(torch.tensor(chunk.token_ids, device=self.device))[1:]
-        return self.isolated_kv[chunk]
+    def _variant_kv(self, chunk: Chunk, context: ChunkContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chunk's K/V computed after `context`, at positions len(context).., each [layers, n, K, D]."""
+        key = (context.token_ids, chunk.token_ids)
+        if key not in self.variant_kvs:
+            self.variant_kvs[key] = variant_forward(self.model, chunk, context)
+        return self.variant_kvs[key]
 
     def _blend(self, prompt: list[int], pieces, blend: Blend) -> BlendResult:
-        return blend_prefill(self.model, prompt, pieces, blend, isolated=self._isolated,
+        return blend_prefill(self.model, prompt, pieces, blend, variant_kv=self._variant_kv,
                              page_size=self.engine_config.page_size)
 
     def _generate_one(self, request_id: int, prompt: list[int], params: SamplingParams,

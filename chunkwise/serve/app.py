@@ -10,7 +10,8 @@ included), 404 for an unknown model, 429 when the waiting queue is full, 500 for
 step (only that request), 503 while shutting down or after the engine failed.
 
 Chunks: POST /v1/chunks registers one (`Engine.register_chunk`, run by the engine between steps), named
-"chunk-<n>" after its engine id; GET lists those registered here; DELETE /v1/chunks/{id} unpins one. A completion's
+"chunk-<n>" after its engine id, computed after the context `after` if given (pieces as a composite prompt's:
+`{"chunk": "chunk-<n>"}`, text, ids, or a list of those); GET lists those registered here; DELETE /v1/chunks/{id} unpins one. A completion's
 `chunkwise.prompt` composes them with text and ids into one composite prompt (`prompt` then absent or empty), with
 `chunkwise.reuse` "exact" or "blend" (`recompute_ratio`, `policy`: a `chunkwise.Blend`); each choice then carries
 `chunk_reuse`, the engine's report per piece. A chat message's content may hold `{"type": "chunk", "chunk":
@@ -196,6 +197,7 @@ async def _register_chunk(state: ServerState, request: Request) -> dict:
     # the prompt's own errors (no tokenizer for text, empty, outside the vocabulary) before the engine
     _engine_check(engine.chunks.chunk_ids, req.prompt, engine.tokenizer, engine.model_config.vocab_size,
                   param="prompt")
+    after = None if req.after is None else _after(state, req.after)
 
     def record(registered: Future) -> None:   # as it resolves, so a client that left still has it listed
         if registered.exception() is None:
@@ -204,12 +206,13 @@ async def _register_chunk(state: ServerState, request: Request) -> dict:
             if req.pin:
                 state.pinned.add(chunk_name(chunk))
 
-    registered = state.loop.register_chunk(req.prompt, req.pin)
+    registered = state.loop.register_chunk(req.prompt, req.pin, after)
     registered.add_done_callback(record)
     try:
         chunk = await asyncio.wrap_future(registered)
     except (TypeError, ValueError) as e:   # the pin's: the cap, a queued request left without room
-        raise bad_request(str(e), "pin" if "pin" in str(e) else "prompt") from None
+        msg = str(e)
+        raise bad_request(msg, "pin" if "pin" in msg else "after" if msg.startswith("after") else "prompt") from None
     except RuntimeError as e:
         raise APIError(503 if state.loop.failure or not state.accepting else 500, str(e)) from None
     return chunk_card(chunk, req.pin)
@@ -322,25 +325,37 @@ def _composite(state: ServerState, req: CompletionRequest) -> tuple[list, str | 
     if req.prompt not in (None, "", []):
         raise bad_request("give the prompt as `prompt` or as `chunkwise.prompt`, not both: with `chunkwise`, `prompt` "
                           "must be absent, null or empty", "prompt")
-    pieces: list = []
-    for j, p in enumerate(ext.prompt):
-        where = f"chunkwise.prompt[{j}]"
-        if isinstance(p, dict) and set(p) == {"chunk"} and isinstance(p["chunk"], str):
-            chunk = state.chunks.get(p["chunk"])
-            if chunk is None:
-                raise APIError(404, f"{where}: the chunk `{p['chunk']}` does not exist (register it with POST "
-                                    f"/v1/chunks)", where + ".chunk", "chunk_not_found")
-            pieces.append(chunk)
-        elif isinstance(p, str) or (isinstance(p, list) and all(is_int(t) for t in p)):
-            pieces.append(p)
-        else:
-            raise bad_request(f'{where} must be {{"chunk": "chunk-<n>"}}, text or a list of token ids, got {p!r:.80}',
-                              where)
+    pieces = [_piece(state, p, f"chunkwise.prompt[{j}]") for j, p in enumerate(ext.prompt)]
     if not any(isinstance(p, Chunk) for p in pieces):
         raise bad_request('chunkwise.prompt must hold at least one {"chunk": ...} piece (a prompt of text and ids '
                           'alone goes in `prompt`)', "chunkwise.prompt")
     ids, _ = _engine_check(engine.chunks.pieces, pieces, engine.tokenizer, 0, param="chunkwise.prompt")
     return pieces, _reuse(engine, ext), len(ids)
+
+
+def _piece(state: ServerState, p, where: str):
+    """One piece of a composite prompt or a context: a registered Chunk for `{"chunk": "chunk-<n>"}` (a 404 naming
+    an unknown one), text or token ids as given; a 400 naming `where` otherwise."""
+    if isinstance(p, dict) and set(p) == {"chunk"} and isinstance(p["chunk"], str):
+        chunk = state.chunks.get(p["chunk"])
+        if chunk is None:
+            raise APIError(404, f"{where}: the chunk `{p['chunk']}` does not exist (register it with POST "
+                                f"/v1/chunks)", where + ".chunk", "chunk_not_found")
+        return chunk
+    if isinstance(p, str) or (isinstance(p, list) and all(is_int(t) for t in p)):
+        return p
+    raise bad_request(f'{where} must be {{"chunk": "chunk-<n>"}}, text or a list of token ids, got {p!r:.80}', where)
+
+
+def _after(state: ServerState, after) -> list:
+    """POST /v1/chunks' `after`: one piece or a list of pieces (as `_piece`), checked by the engine's registry
+    (text without a tokenizer, empty, outside the vocabulary) before the engine sees it; a 400 naming it."""
+    one = not isinstance(after, list) or all(is_int(t) for t in after)
+    pieces = [_piece(state, after, "after")] if one else [_piece(state, p, f"after[{j}]") for j, p in
+                                                          enumerate(after)]
+    engine = state.engine
+    _engine_check(engine.chunks.context, pieces, engine.tokenizer, engine.model_config.vocab_size, param="after")
+    return pieces
 
 
 def _reuse(engine, ext: ReuseOptions | None) -> str | Blend:

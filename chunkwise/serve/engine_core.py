@@ -42,6 +42,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from chunkwise.chunks import NO_CONTEXT, ChunkContext
 from chunkwise.engine import Engine
 from chunkwise.engine.core import CoreOutput, EngineStats, PrefixOutput
 from chunkwise.engine.frontend import Frontend
@@ -150,6 +151,7 @@ class _Call:
     future: Future
     ids: list[int] = field(default_factory=list)   # a chunk's, to issue its handle with
     pin: bool = False
+    context: ChunkContext = NO_CONTEXT              # the chunk's, likewise
 
 
 class EngineCore:
@@ -274,22 +276,22 @@ class EngineCore:
             sub.future.set_exception(RuntimeError(self.failure))
         return sub.future
 
-    def register_chunk(self, prompt, pin: bool) -> Future:
-        """`Engine.register_chunk(prompt, pin=pin)`: validated and issued here, computed by the engine between
-        steps; the future holds the Chunk or the error."""
+    def register_chunk(self, prompt, pin: bool, after=None) -> Future:
+        """`Engine.register_chunk(prompt, pin=pin, after=after)`: validated and issued here, computed by the engine
+        between steps; the future holds the Chunk or the error."""
         future: Future = Future()
         if self._refused(future):
             return future
         future.set_running_or_notify_cancel()
         try:
-            ids, request = self.engine.chunk_job(prompt, pin)
+            ids, context, request = self.engine.chunk_job(prompt, pin, after)
         except Exception as exc:
             future.set_exception(exc)
             return future
         if request is None:   # nothing to compute: only a handle
-            future.set_result(self.engine.issue(ids, [] if pin else None))
+            future.set_result(self.engine.issue(ids, [] if pin else None, context))
             return future
-        self._call(ComputeChunk(next(self._ids), request, pin), _Call(future, ids, pin))
+        self._call(ComputeChunk(next(self._ids), request, pin), _Call(future, ids, pin, context))
         return future
 
     def unpin(self, chunk) -> Future:
@@ -404,7 +406,7 @@ class EngineCore:
         elif done.refused is not None:
             call.future.set_exception(done.refused)
         else:
-            call.future.set_result(self.engine.issue(call.ids, done.pinned if call.pin else None))
+            call.future.set_result(self.engine.issue(call.ids, done.pinned if call.pin else None, call.context))
 
     def _on_failed(self, m: Failed) -> None:
         self._end()

@@ -191,9 +191,10 @@ class EngineLoop:
         self._wake.set()
         return future
 
-    def register_chunk(self, prompt, pin: bool) -> Future:
-        """`Engine.register_chunk(prompt, pin=pin)` between steps; the future holds the Chunk or the error."""
-        return self.call(lambda: self.engine.register_chunk(prompt, pin=pin))
+    def register_chunk(self, prompt, pin: bool, after=None) -> Future:
+        """`Engine.register_chunk(prompt, pin=pin, after=after)` between steps; the future holds the Chunk or the
+        error."""
+        return self.call(lambda: self.engine.register_chunk(prompt, pin=pin, after=after))
 
     def unpin(self, chunk) -> Future:
         return self.call(lambda: self.engine.unpin(chunk))

@@ -119,11 +119,12 @@ class ChunkwiseOptions(ReuseOptions):
 
 
 class ChunkRequest(BaseModel):
-    """POST /v1/chunks: register text or token ids as a chunk, pinned or not."""
+    """POST /v1/chunks: register text or token ids as a chunk, pinned or not, computed after a context or not."""
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str
     prompt: Any                  # text or a list of token ids (checked by the engine, naming the value)
     pin: bool = False
+    after: Any = None            # the context: {"chunk": "chunk-<n>"}, text, ids, or a list of those
 
 
 class CompletionRequest(_GenerationRequest):
@@ -247,13 +248,15 @@ def chunk_name(chunk: Chunk) -> str:
 
 
 def chunk_card(chunk: Chunk, pinned: bool) -> dict:
-    return {"id": chunk_name(chunk), "object": "chunk", "num_tokens": len(chunk), "pinned": pinned}
+    return {"id": chunk_name(chunk), "object": "chunk", "num_tokens": len(chunk), "pinned": pinned,
+            "context_tokens": len(chunk.context)}
 
 
 def reuse_card(r) -> dict:
     """One piece's `chunkwise.ChunkReuse` as the response's `chunk_reuse` entry."""
     return {"chunk": None if r.chunk is None else chunk_name(r.chunk), "num_tokens": r.num_tokens, "exact": r.exact,
-            "blended": r.blended, "recomputed": r.recomputed}
+            "blended": r.blended, "recomputed": r.recomputed,
+            "context_tokens": None if r.context is None else len(r.context)}   # the blended variant's context
 
 
 def model_card(name: str, max_model_len: int, created: int) -> dict:

@@ -2,12 +2,15 @@
 and where the others' K/V come from.
 
 A blended prompt is prefilled in one step from c0, the end of its exact prefix-cache hit. Its *candidates* are the
-tokens of its chunk pieces whose isolated K/V the prefix cache holds: a chunk registered with the engine was
-computed on its own, at positions 0..n-1, so its full pages sit in the prefix cache under a hash chain of its own
-tokens, keyed by content and not by what precedes it in a request. Each candidate's K/V are placed: copied from
-those pages to its own slot with K re-rotated by its chunk's new start. Every other token (text and id pieces, a
-chunk's tail past its last full page, a chunk whose pages were evicted, the prompt's last token) is a *fixed row*,
-computed at every layer like any prefill. Which candidates are computed: chunkwise/engine/blend/policy.py.
+tokens of its chunk pieces whose variant's K/V the prefix cache holds: a chunk registered with the engine after a
+context (none: the isolated variant) was computed as the continuation of the context's ids, at positions
+len(context)..len(context)+n-1, so the full pages of context + chunk sit in the prefix cache under their hash chain,
+keyed by content and not by what precedes the chunk in a request. The validated request names each piece's variant
+(`Piece.context`: the longest registered context the prompt opens with). Each candidate's K/V are placed: copied
+from those pages to its own slot with K re-rotated by its chunk's new start less its context's length. Every other
+token (text and id pieces, a chunk with no variant, a chunk's tail past the last full page, a variant whose pages
+were evicted, the prompt's last token) is a *fixed row*, computed at every layer like any prefill. Which candidates
+are computed: chunkwise/engine/blend/policy.py.
 
 The scheduler plans after the step's allocations (`Blender.plan`): a page still cached then is not overwritten before
 this step's forward reads it.
@@ -46,18 +49,19 @@ def plan_blend(params: Blend, pieces: tuple[Piece, ...], start: int, pool, num_l
     delta = np.zeros(rows, np.int64)
     head = np.zeros(rows, bool)
     for j, p in enumerate(pieces):
-        if p.chunk is None:
+        if p.chunk is None or p.context is None:
             continue
         first = int(ends[j] - lengths[j])
-        pages = np.array(pool.chain_pages(p.chunk.token_ids), np.int64)
-        off = np.arange(len(pages) * ps)
-        pos = first + off
+        n_ctx = len(p.context)
+        pages = np.array(pool.chain_pages(p.context.token_ids + p.chunk.token_ids), np.int64)
+        off = np.arange(n_ctx, max(n_ctx, len(pages) * ps))   # the chunk's tokens in those pages
+        pos = first + off - n_ctx
         inside = (pos >= start) & (pos < total - 1)   # the prompt's last token gives the logits: always computed
         idx = pos[inside] - start
         candidate[idx] = True
         src[idx] = pages[off[inside] // ps] * ps + off[inside] % ps
-        delta[idx] = first
-        head[idx] = off[inside] < math.floor(params.recompute_ratio * p.num_tokens + 0.5)
+        delta[idx] = first - n_ctx
+        head[idx] = off[inside] - n_ctx < math.floor(params.recompute_ratio * p.num_tokens + 0.5)
     n = int(candidate.sum())
     layers: tuple[int, ...] = ()
     kept: tuple[int, ...] = ()

@@ -11,7 +11,7 @@ from chunkwise.engine.blend.planning import BlendJob
 def blend_report(job: BlendJob, pieces: tuple[Piece, ...], first_row: int, kept: np.ndarray) -> tuple[ChunkReuse, ...]:
     """ChunkReuse per piece: exact below c0; recomputed = the rows computed at every layer (the job's computed rows,
     from the step's `first_row` on in its layer-0 layout, that are in `kept`, the rows of the last layer); blended =
-    the rest."""
+    the rest; `context`: the piece's variant (chunkwise/chunks.py)."""
     computed = job.rows.computed
     full = computed.copy()
     rows0 = first_row + np.cumsum(computed) - 1        # each computed row's layer-0 row
@@ -20,6 +20,7 @@ def blend_report(job: BlendJob, pieces: tuple[Piece, ...], first_row: int, kept:
     for j, p in enumerate(pieces):
         exact = max(0, min(first + p.num_tokens, job.start) - first)
         recomputed = int(full[job.piece_rows == j].sum())
-        out.append(ChunkReuse(p.chunk, p.num_tokens, exact, p.num_tokens - exact - recomputed, recomputed))
+        out.append(ChunkReuse(p.chunk, p.num_tokens, exact, p.num_tokens - exact - recomputed, recomputed,
+                              None if p.chunk is None else p.context))
         first += p.num_tokens
     return tuple(out)
