@@ -81,6 +81,7 @@ SELECTION = [
     "tests/test_row_plan.py",
     "tests/test_blend.py",
     "tests/test_blend_reference.py",
+    "tests/test_chunk_contexts.py",
     "tests/test_page_tables.py",
     "tests/test_scheduler.py",
     "tests/test_kernels_split.py",
@@ -371,8 +372,8 @@ MUTANTS = [
            'relocating K to new positions rotates it by -delta instead of delta'),
     # Blend mode (chunkwise/engine/blend.py and its place in the step)
     Mutant('blend_rerotates_chunks_by_their_start_minus_one', 'chunkwise/engine/blend/planning.py::plan_blend',
-           '        delta[idx] = first\n',
-           '        delta[idx] = first - 1\n',
+           '        delta[idx] = first - n_ctx\n',
+           '        delta[idx] = first - n_ctx - 1\n',
            "a placed chunk's K are rotated to one position before their new one"),
     Mutant('blend_attention_takes_kept_rows_as_the_sequences_last', 'chunkwise/engine/model.py::Model._attention',
            '                            positions=inp.positions[:p] if inp.explicit_positions else None,',
@@ -405,7 +406,7 @@ MUTANTS = [
            '        for a, b, pad in ((state.h, static.h, 0),\n',
            "a tail graph's residual stream is never staged: its layers add to the last step's residual (or zeros)"),
     Mutant('chunk_heads_counts_heads_from_the_exact_prefix', 'chunkwise/engine/blend/planning.py::plan_blend',
-           '        head[idx] = off[inside] < math.floor(params.recompute_ratio * p.num_tokens + 0.5)\n',
+           '        head[idx] = off[inside] - n_ctx < math.floor(params.recompute_ratio * p.num_tokens + 0.5)\n',
            '        head[idx] = pos[inside] - start < math.floor(params.recompute_ratio * p.num_tokens + 0.5)\n',
            "chunk-heads recomputes the prompt's first tokens after the exact prefix, not each chunk's first tokens"),
     Mutant('add_rms_norm_does_not_store_the_residual', 'chunkwise/kernels/fused_norm.py::add_residual',
@@ -1148,10 +1149,35 @@ MUTANTS = [
            "the server's side of an engine process decodes nothing: the engine sends token ids only, so every "
            "streamed piece and every answer's text is empty"),
     Mutant("serve_process_unpin_forgets_the_pin", "chunkwise/serve/engine_core.py::EngineCore._on_call_done",
-           "            call.future.set_result(self.engine.issue(call.ids, done.pinned if call.pin else None))\n",
-           "            call.future.set_result(self.engine.issue(call.ids, None))\n",
+           "            call.future.set_result(self.engine.issue(call.ids, done.pinned if call.pin else None, call.context))\n",
+           "            call.future.set_result(self.engine.issue(call.ids, None, call.context))\n",
            "the server issues a chunk the engine process pinned without recording its pin, so DELETE /v1/chunks "
            "refuses to unpin it and its pages stay pinned for ever"),
+    # ---- h50ctx: chunks computed under a context (issue #50 §1) ----
+    Mutant("conditioned_chunk_moved_by_its_start", "chunkwise/engine/blend/planning.py::plan_blend",
+           "        delta[idx] = first - n_ctx\n",
+           "        delta[idx] = first\n",
+           "a chunk registered after a context is re-rotated by its new start, as an isolated chunk is, though its K "
+           "already sit len(context) positions on: they land len(context) positions too far"),
+    Mutant("reference_conditioned_chunk_moved_by_its_start", "chunkwise/reference/blend.py::blend_prefill",
+           "placed_kv(model, k_var, v_var, start - n_ctx)",
+           "placed_kv(model, k_var, v_var, start)",
+           "the reference blend moves a conditioned chunk by its start instead of (start - context length)"),
+    Mutant("variant_pages_looked_up_without_their_context", "chunkwise/engine/blend/planning.py::plan_blend",
+           "pool.chain_pages(p.context.token_ids + p.chunk.token_ids)",
+           "pool.chain_pages(p.chunk.token_ids)",
+           "blend mode looks a variant's pages up under the chunk's own ids alone: it places the isolated pages' "
+           "K/V (or none) where the prompt's context asked for the conditioned ones"),
+    Mutant("variant_chosen_without_matching_the_prompt", "chunkwise/chunks.py::ChunkRegistry.variant",
+           "if n <= start and (best is None or n > len(best.token_ids)) and tuple(prompt_ids[:n]) == c.token_ids:",
+           "if n <= start and (best is None or n > len(best.token_ids)):",
+           "a chunk's variant is chosen by the longest registered context, whether or not the prompt opens with it: "
+           "K/V computed after another context are placed as if after this one"),
+    Mutant("register_chunk_computes_the_chunk_without_its_context", "chunkwise/engine/frontend.py::Frontend.chunk_job",
+           "            request = self.requests([list(context.token_ids) + ids], PREFIX_PARAMS)[0]\n",
+           "            request = self.requests([ids], PREFIX_PARAMS)[0]\n",
+           "register_chunk(after=...) computes (and pins) the chunk alone: the pages of context + chunk are never "
+           "cached, so neither exact nor blend mode finds the variant it names"),
 ]
 
 

@@ -8,7 +8,7 @@ candidates gradually down to k(r); bad input is refused by name. Tiny float32 mo
 import pytest
 import torch
 
-from chunkwise.chunks import Blend, ChunkReuse, Piece
+from chunkwise.chunks import NO_CONTEXT, Blend, ChunkReuse, Piece
 from chunkwise.reference import Engine, SamplingParams
 from chunkwise.reference.blend import blend_prefill, check_ratio, num_kept, top_candidates
 from chunkwise.reference.model import rotate
@@ -77,8 +77,8 @@ def test_ratio_1_equals_exact_generation(reference_engine, family, policy):
     assert blend.token_ids == exact.token_ids
     for e, b in zip(exact.logprobs, blend.logprobs):
         assert b.keys() == e.keys() and all(abs(b[t] - e[t]) < 1e-4 for t in e)
-    assert blend.chunk_reuse == tuple(ChunkReuse(r.chunk, r.num_tokens, 0, 0, r.num_tokens)
-                                      for r in exact.chunk_reuse)
+    assert blend.chunk_reuse == tuple(ChunkReuse(r.chunk, r.num_tokens, 0, 0, r.num_tokens,
+                                                 None if r.chunk is None else NO_CONTEXT) for r in exact.chunk_reuse)
     for got, want in zip(eng.prefill_kv(prompt, reuse=Blend(1, policy)), eng.prefill_kv(prompt)):
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
@@ -125,8 +125,8 @@ def test_ratio_0_composes_the_isolated_chunks_and_recomputes_the_rest_over_them(
         start += len(p)
     out = eng.generate(prompt, GREEDY, reuse=Blend(0, policy))[0]
     assert out.token_ids[0] == int(logits[-1].argmax())
-    assert out.chunk_reuse == tuple(ChunkReuse(r.chunk, r.num_tokens, 0, r.num_tokens, 0) if r.chunk else r
-                                    for r in eng.generate(prompt, GREEDY)[0].chunk_reuse)
+    assert out.chunk_reuse == tuple(ChunkReuse(r.chunk, r.num_tokens, 0, r.num_tokens, 0, NO_CONTEXT) if r.chunk
+                                    else r for r in eng.generate(prompt, GREEDY)[0].chunk_reuse)
 
 
 def fresh_rows(out, moved, layer):

@@ -73,7 +73,8 @@ def handles(server, pieces: list) -> list:
 
 def reuse_cards(out) -> list[dict]:
     return [{"chunk": None if r.chunk is None else f"chunk-{r.chunk.chunk_id}", "num_tokens": r.num_tokens,
-             "exact": r.exact, "blended": r.blended, "recomputed": r.recomputed} for r in out.chunk_reuse]
+             "exact": r.exact, "blended": r.blended, "recomputed": r.recomputed,
+             "context_tokens": None if r.context is None else len(r.context)} for r in out.chunk_reuse]
 
 
 def assert_same_as_engine(choice, out, tokenizer, same_cache: bool) -> None:
@@ -90,7 +91,8 @@ def assert_same_as_engine(choice, out, tokenizer, same_cache: bool) -> None:
 
 
 def test_chunks_are_registered_listed_and_unpinned(server, chunks, engine):
-    assert chunks["sys"] == {"id": chunks["sys"]["id"], "object": "chunk", "num_tokens": len(SYS), "pinned": True}
+    assert chunks["sys"] == {"id": chunks["sys"]["id"], "object": "chunk", "num_tokens": len(SYS), "pinned": True,
+                             "context_tokens": 0}
     doc_b = engine.tokenizer.encode("the other document", add_special_tokens=False)
     assert chunks["doc_b"]["num_tokens"] == len(doc_b) and not chunks["doc_b"]["pinned"]
     assert server.state.chunks[chunks["doc_b"]["id"]].token_ids == tuple(doc_b)
@@ -180,6 +182,29 @@ def test_composite_completion_equals_the_engines_blend(server, client, chunks, e
     assert sum(r["blended"] for r in default.choices[0].model_extra["chunk_reuse"]) > 0
 
 
+def test_a_chunk_registered_after_a_context_is_blended_as_that_variant(server, client, chunks, engine):
+    """POST /v1/chunks' `after` (a registered chunk, text, ids, or a list of those) is the context the chunk is
+    computed after; a blended completion opening with that context places this variant, as the engine does."""
+    doc = list(range(100, 111))
+    card = post(server, "/v1/chunks", {"model": MODEL, "prompt": doc, "after": piece(chunks["sys"])}).json()
+    assert (card["num_tokens"], card["context_tokens"]) == (len(doc), len(SYS)), card
+    assert server.state.chunks[card["id"]].context.token_ids == tuple(SYS)
+    both = (len(SYS) + len(doc)) // PAGE
+    assert len(engine.page_pool.chain_pages(SYS + doc)) == both   # context + chunk computed and cached
+    pieces = [piece(chunks["sys"]), [33], piece(card), "and?"]
+    res = client.completions.create(model=MODEL, prompt=None, max_tokens=3, temperature=0, logprobs=0, extra_body={
+        "ignore_eos": True, "chunkwise": {"prompt": pieces, "reuse": "blend", "recompute_ratio": 0.0}})
+    out = engine.generate([handles(server, pieces)], SamplingParams(max_tokens=3, temperature=0, logprobs=0,
+                                                                    ignore_eos=True), reuse=Blend(0.0))[0]
+    assert_same_as_engine(res.choices[0], out, engine.tokenizer, same_cache=True)
+    report = res.choices[0].model_extra["chunk_reuse"]
+    assert report[2]["context_tokens"] == len(SYS) and report[2]["blended"] == both * PAGE - len(SYS)
+    text = post(server, "/v1/chunks", {"model": MODEL, "prompt": doc, "after": [piece(chunks["sys"]), "x y",
+                                                                                  [5]]}).json()
+    n_text = len(engine.tokenizer.encode("x y", add_special_tokens=False))
+    assert text["context_tokens"] == len(SYS) + n_text + 1, text
+
+
 def test_streamed_composite_cut_by_a_stop_string_reports_chunk_reuse(server, client, chunks, engine):
     pieces = ["so: ", piece(chunks["doc_b"])]
     out = engine.generate([handles(server, pieces)], SamplingParams(max_tokens=6, temperature=0,
@@ -216,6 +241,13 @@ CHUNK, UNPINNED = "<sys>", "<doc_b>"
     ("/v1/chunks", {"model": MODEL, "prompt": [5], "pin": "yes"}, 400, "pin", None),
     ("/v1/chunks", {"model": MODEL, "prompt": list(range(1, 121)), "pin": True}, 400, "pin",
      "max_pinned_fraction"),   # 30 pages; 5 are pinned, and half of 64 may be
+    ("/v1/chunks", {"model": MODEL, "prompt": [5], "after": {"chunk": "chunk-999"}}, 404, "after.chunk", "chunk-999"),
+    ("/v1/chunks", {"model": MODEL, "prompt": [5], "after": [[5], {"chunk": "chunk-999"}]}, 404, "after[1].chunk",
+     "chunk-999"),
+    ("/v1/chunks", {"model": MODEL, "prompt": [5], "after": {"x": 1}}, 400, "after", "after"),
+    ("/v1/chunks", {"model": MODEL, "prompt": [5], "after": [5, 100000]}, 400, "after", "100000"),
+    ("/v1/chunks", {"model": MODEL, "prompt": [5], "after": ""}, 400, "after", "no tokens"),
+    ("/v1/chunks", {"model": MODEL, "prompt": [5], "after": [5] * 130}, 400, "after", "max_model_len"),
     ("DELETE /v1/chunks/chunk-999", b"", 404, None, "chunk-999"),
     ("DELETE /v1/chunks/" + UNPINNED, b"", 400, None, "not pinned"),   # doc_b, registered with pin=false
     ("/v1/completions", {"model": MODEL, "prompt": [5], "chunkwise": {"prompt": [{"chunk": CHUNK}]}}, 400,

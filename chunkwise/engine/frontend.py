@@ -68,7 +68,12 @@ class Frontend:
         if pin and not caching:
             raise ValueError("register_chunk(pin=True) needs enable_prefix_caching=True: pinned pages are "
                              "prefix-cache pages")
-        request = self.requests([list(context.token_ids) + ids], PREFIX_PARAMS)[0]   # they fit the model
+        try:   # context and chunk fit the model
+            request = self.requests([list(context.token_ids) + ids], PREFIX_PARAMS)[0]
+        except ValueError as e:
+            if not context.token_ids:
+                raise
+            raise ValueError(f"after ({len(context)} tokens) and the chunk: {e}") from None
         if not caching or len(request.prompt_token_ids) < self.engine_config.page_size:
             return ids, context, None
         return ids, context, request

@@ -48,8 +48,13 @@ class Engine:
         vocab = self.model_config.vocab_size
         ids = self.chunks.chunk_ids(prompt, self.tokenizer, vocab)
         context = self.chunks.context(after, self.tokenizer, vocab)
-        validate_requests(self.model_config, self.tokenizer, self.max_model_len, [list(context.token_ids) + ids],
-                          SamplingParams(max_tokens=1, ignore_eos=True))   # context + chunk fit the model
+        try:   # context and chunk fit the model
+            validate_requests(self.model_config, self.tokenizer, self.max_model_len, [list(context.token_ids) + ids],
+                              SamplingParams(max_tokens=1, ignore_eos=True))
+        except ValueError as e:
+            if not context.token_ids:
+                raise
+            raise ValueError(f"after ({len(context)} tokens) and the chunk: {e}") from None
         chunk = self.chunks.issue(ids, context)
         if pin:
             self.chunks.pinned[chunk.chunk_id] = True
