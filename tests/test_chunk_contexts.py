@@ -44,79 +44,7 @@ def concat(prompt) -> list[int]:
     return [t for p in prompt for t in (p.token_ids if isinstance(p, Chunk) else p)]
 
 
-# ---- exact mode ----------------------------------------------------------------------------------------------------
-@st.composite
-def scenarios(draw):
-    """A context, chunks each registered after it or alone (pinned or not), prompts opening with the context (as ids
-    or as a registered chunk) or not, in drawn orders; a pool only just big enough."""
-    page_size = draw(st.sampled_from([2, 3, 4, 8]))
-    num_chunks = draw(st.integers(1, 3))
-    return dict(page_size=page_size, context=draw(st.integers(1, 11)),
-                lengths=[draw(st.integers(1, 12)) for _ in range(num_chunks)],
-                after=[draw(st.booleans()) for _ in range(num_chunks)],
-                pins=[draw(st.booleans()) for _ in range(num_chunks)],
-                context_as_chunk=draw(st.booleans()),
-                requests=[(draw(st.booleans()), tuple(draw(st.permutations(range(num_chunks)))), draw(st.integers(0, 3)))
-                          for _ in range(draw(st.integers(1, 3)))],
-                extra_pages=draw(st.integers(0, 2)), seed=draw(st.integers(0, 999)))
-
-
-@pytest.fixture(scope="module")
-def ref(reference_engine):
-    return reference_engine("qwen3")
-
-
-@settings(max_examples=3, deadline=None)   # a few seconds an example on one core; the @examples pin the edges
-@given(s=scenarios())
-@example(s=dict(page_size=4, context=7, lengths=[9, 6], after=[True, True], pins=[True, False], context_as_chunk=False,
-                requests=[(True, (0, 1), 2), (True, (1, 0), 0), (False, (0,), 1)], extra_pages=0, seed=1))
-@example(s=dict(page_size=3, context=6, lengths=[12, 2], after=[True, False], pins=[True, True], context_as_chunk=True,
-                requests=[(True, (0, 1), 1), (True, (1, 0), 3)], extra_pages=0, seed=2))   # context on a page edge
-def test_a_prompt_opening_with_context_and_chunk_reuses_their_pages_exactly(s, ckpt, ref):
-    note(repr(s))
-    ps = s["page_size"]
-    context = seeded_ids(s["context"], (s["seed"], "context"))
-    docs = [seeded_ids(n, (s["seed"], i)) for i, n in enumerate(s["lengths"])]
-    afters = [context if a else None for a in s["after"]]
-    pinned_pages = sum((len(d) + (len(a) if a else 0)) // ps for d, a, p in zip(docs, afters, s["pins"]) if p)
-    longest = len(context) + sum(map(len, docs)) + 3 + PARAMS.max_tokens
-    num_pages = pinned_pages + -(-longest // ps) + s["extra_pages"]
-    eng = Engine(ckpt, page_size=ps, num_pages=num_pages, max_model_len=MAX_MODEL_LEN, max_pinned_fraction=0.75,
-                 async_scheduling=False)
-    opening = eng.register_chunk(context) if s["context_as_chunk"] else context
-    chunks = [eng.register_chunk(d, pin=p, after=a) for d, p, a in zip(docs, s["pins"], afters)]
-    assert [c.context for c in chunks] == [ChunkContext(tuple(a)) if a else NO_CONTEXT for a in afters]
-    ref_chunks = [ref.register_chunk(d, after=a) for d, a in zip(docs, afters)]
-    for r, (opens, order, question) in enumerate(s["requests"]):
-        q = [seeded_ids(question, (s["seed"], "q", r))] if question else []
-        prompt = ([opening] if opens else []) + [chunks[i] for i in order] + q
-        ref_prompt = ([context] if opens else []) + [ref_chunks[i] for i in order] + q
-        ids = concat(prompt)
-        want = ref.generate([ids], PARAMS)[0].token_ids
-        out = eng.generate([prompt], PARAMS)[0]
-        note(f"prompt {[len(p) for p in prompt]}: cached {out.num_cached_tokens}")
-        assert out.token_ids == want, "a prompt opening with a conditioned chunk differs from its concatenated ids"
-        assert ref.generate([ref_prompt], PARAMS)[0].token_ids == want
-        first = chunks[order[0]]
-        if opens and s["after"][order[0]] and s["pins"][order[0]]:   # its pages survived every eviction
-            whole = len(context) + len(first)
-            assert out.num_cached_tokens >= min(whole, len(ids) - 1) // ps * ps, \
-                "the pinned conditioned chunk's pages were not reused"
-        assert all(r.context is None for r in out.chunk_reuse)   # exact mode places no variant
-    # Pressure: fresh prompts filling the pool; the pinned variants keep every page of context + chunk.
-    pool = eng.page_pool
-    room = (pool.num_pages - pool.num_pinned_pages) * ps - (PARAMS.max_tokens - 1)
-    eng.generate([seeded_ids(min(room, MAX_MODEL_LEN - PARAMS.max_tokens), (s["seed"], "filler"))], PARAMS)
-    for c, pin in zip(chunks, s["pins"]):
-        if pin:
-            ids = list(c.context.token_ids + c.token_ids)
-            pages = pool.chain_pages(ids)
-            assert len(pages) == len(ids) // ps and all(p in pool.pins for p in pages), f"{c} lost pages"
-    assert not eng.has_unfinished()
-    assert pool.num_free_pages == pool.num_pages - pool.num_pinned_pages, "pages leaked"
-
-
-# ---- blend mode ----------------------------------------------------------------------------------------------------
+# ---- blend mode: the variant placed, against an oracle from one forward -------------------------------------------
 _engines: dict = {}
 
 
@@ -180,6 +108,79 @@ def test_a_chunk_after_its_context_places_the_conditioned_kv_moved_by_start_less
     assert out.chunk_reuse[-1].context == after_head.context
 
 
+# ---- exact mode ----------------------------------------------------------------------------------------------------
+@st.composite
+def scenarios(draw):
+    """A context, chunks each registered after it or alone (pinned or not), prompts opening with the context (as ids
+    or as a registered chunk) or not, in drawn orders; a pool only just big enough."""
+    page_size = draw(st.sampled_from([2, 3, 4, 8]))
+    num_chunks = draw(st.integers(1, 3))
+    return dict(page_size=page_size, context=draw(st.integers(1, 11)),
+                lengths=[draw(st.integers(1, 12)) for _ in range(num_chunks)],
+                after=[draw(st.booleans()) for _ in range(num_chunks)],
+                pins=[draw(st.booleans()) for _ in range(num_chunks)],
+                context_as_chunk=draw(st.booleans()),
+                requests=[(draw(st.booleans()), tuple(draw(st.permutations(range(num_chunks)))),
+                           draw(st.integers(0, 3))) for _ in range(draw(st.integers(1, 3)))],
+                extra_pages=draw(st.integers(0, 2)), seed=draw(st.integers(0, 999)))
+
+
+@pytest.fixture(scope="module")
+def ref(reference_engine):
+    return reference_engine("qwen3")
+
+
+@settings(max_examples=3, deadline=None)   # a few seconds an example on one core; the @examples pin the edges
+@given(s=scenarios())
+@example(s=dict(page_size=4, context=7, lengths=[9, 6], after=[True, True], pins=[True, False], context_as_chunk=False,
+                requests=[(True, (0, 1), 2), (True, (1, 0), 0), (False, (0,), 1)], extra_pages=0, seed=1))
+@example(s=dict(page_size=3, context=6, lengths=[12, 2], after=[True, False], pins=[True, True], context_as_chunk=True,
+                requests=[(True, (0, 1), 1), (True, (1, 0), 3)], extra_pages=0, seed=2))   # context on a page edge
+def test_a_prompt_opening_with_context_and_chunk_reuses_their_pages_exactly(s, ckpt, ref):
+    note(repr(s))
+    ps = s["page_size"]
+    context = seeded_ids(s["context"], (s["seed"], "context"))
+    docs = [seeded_ids(n, (s["seed"], i)) for i, n in enumerate(s["lengths"])]
+    afters = [context if a else None for a in s["after"]]
+    pinned_pages = sum((len(d) + (len(a) if a else 0)) // ps for d, a, p in zip(docs, afters, s["pins"]) if p)
+    longest = len(context) + sum(map(len, docs)) + 3 + PARAMS.max_tokens
+    num_pages = pinned_pages + -(-longest // ps) + s["extra_pages"]
+    eng = Engine(ckpt, page_size=ps, num_pages=num_pages, max_model_len=MAX_MODEL_LEN, max_pinned_fraction=0.75,
+                 async_scheduling=False)
+    opening = eng.register_chunk(context) if s["context_as_chunk"] else context
+    chunks = [eng.register_chunk(d, pin=p, after=a) for d, p, a in zip(docs, s["pins"], afters)]
+    assert [c.context for c in chunks] == [ChunkContext(tuple(a)) if a else NO_CONTEXT for a in afters]
+    ref_chunks = [ref.register_chunk(d, after=a) for d, a in zip(docs, afters)]
+    for r, (opens, order, question) in enumerate(s["requests"]):
+        q = [seeded_ids(question, (s["seed"], "q", r))] if question else []
+        prompt = ([opening] if opens else []) + [chunks[i] for i in order] + q
+        ref_prompt = ([context] if opens else []) + [ref_chunks[i] for i in order] + q
+        ids = concat(prompt)
+        want = ref.generate([ids], PARAMS)[0].token_ids
+        out = eng.generate([prompt], PARAMS)[0]
+        note(f"prompt {[len(p) for p in prompt]}: cached {out.num_cached_tokens}")
+        assert out.token_ids == want, "a prompt opening with a conditioned chunk differs from its concatenated ids"
+        assert ref.generate([ref_prompt], PARAMS)[0].token_ids == want
+        first = chunks[order[0]]
+        if opens and s["after"][order[0]] and s["pins"][order[0]]:   # its pages survived every eviction
+            whole = len(context) + len(first)
+            assert out.num_cached_tokens >= min(whole, len(ids) - 1) // ps * ps, \
+                "the pinned conditioned chunk's pages were not reused"
+        assert all(r.context is None for r in out.chunk_reuse)   # exact mode places no variant
+    # Pressure: fresh prompts filling the pool; the pinned variants keep every page of context + chunk.
+    pool = eng.page_pool
+    room = (pool.num_pages - pool.num_pinned_pages) * ps - (PARAMS.max_tokens - 1)
+    eng.generate([seeded_ids(min(room, MAX_MODEL_LEN - PARAMS.max_tokens), (s["seed"], "filler"))], PARAMS)
+    for c, pin in zip(chunks, s["pins"]):
+        if pin:
+            ids = list(c.context.token_ids + c.token_ids)
+            pages = pool.chain_pages(ids)
+            assert len(pages) == len(ids) // ps and all(p in pool.pins for p in pages), f"{c} lost pages"
+    assert not eng.has_unfinished()
+    assert pool.num_free_pages == pool.num_pages - pool.num_pinned_pages, "pages leaked"
+
+
+# ---- blend mode: the fast engine against the reference -----------------------------------------------------------
 def blend_cases():
     return st.tuples(st.sampled_from([("qwen3", 4), ("llama", 2), ("gemma3_text", 3), ("mistral", 8)]),
                      st.builds(Blend, st.sampled_from([0.0, 0.15, 0.5]), st.sampled_from(["kv-deviation",
