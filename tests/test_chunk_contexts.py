@@ -23,7 +23,7 @@ from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
-from chunkwise.chunks import NO_CONTEXT, Blend, Chunk, ChunkContext
+from chunkwise.chunks import NO_CONTEXT, Blend, Chunk, ChunkContext, ChunkRegistry
 from chunkwise.engine import Engine, SamplingParams
 from chunkwise.reference import Engine as RefEngine
 from chunkwise.reference.model import rotate
@@ -31,6 +31,7 @@ from chunkwise.reference.model import rotate
 pytestmark = pytest.mark.correctness
 
 PARAMS = SamplingParams(max_tokens=3, ignore_eos=True)
+ONE = SamplingParams(max_tokens=1, ignore_eos=True)
 MAX_MODEL_LEN = 128
 LAYERS = 4   # blend tests: check layers 1..3 differ from a full recompute
 
@@ -45,18 +46,38 @@ def concat(prompt) -> list[int]:
 
 
 # ---- blend mode: the variant placed, against an oracle from one forward -------------------------------------------
+def test_the_variant_is_the_longest_registered_context_the_prompt_opens_with():
+    registry = ChunkRegistry("test")
+    head, system, doc = [3, 4, 5], [6, 7], [8, 9, 10]
+    after_head = registry.issue(doc, ChunkContext(tuple(head)))
+    registry.issue(doc, ChunkContext(tuple(head + system)))
+    only_elsewhere = registry.issue([11, 12], ChunkContext((20, 21)))
+    _, pieces = registry.pieces([head, system, [1], after_head, only_elsewhere], None, 0)
+    assert [p.context for p in pieces[3:]] == [ChunkContext(tuple(head + system)), None]
+    _, pieces = registry.pieces([head, [1, 2], after_head], None, 0)   # opens with head only
+    assert pieces[-1].context == ChunkContext(tuple(head))
+    _, pieces = registry.pieces([[3, 4], after_head], None, 0)          # a context must end before the chunk
+    assert pieces[-1].context is None
+    registry.issue(doc)                                                  # the isolated variant: the fallback
+    _, pieces = registry.pieces([[3, 4], after_head], None, 0)
+    assert pieces[-1].context == NO_CONTEXT
+
+
 _engines: dict = {}
 
 
-def engines(tiny_ckpt, family: str, page_size: int) -> tuple[Engine, RefEngine]:
-    """A deterministic fast engine and the reference of the same four-layer checkpoint, fresh registries."""
-    path = str(tiny_ckpt(family, num_hidden_layers=LAYERS))
+def fast_engine(tiny_ckpt, family: str, page_size: int) -> Engine:
+    """A deterministic fast engine of a four-layer checkpoint, with a registry of its own."""
+    return Engine(str(tiny_ckpt(family, num_hidden_layers=LAYERS)), dtype="float32", device="cpu", page_size=page_size,
+                  num_pages=200, max_model_len=192, deterministic=True)
+
+
+def reference(tiny_ckpt, family: str, page_size: int) -> RefEngine:
     key = family, page_size
     if key not in _engines:
-        _engines[key] = RefEngine(path, dtype="float32", device="cpu", page_size=page_size)
-    eng = Engine(path, dtype="float32", device="cpu", page_size=page_size, num_pages=200, max_model_len=192,
-                 deterministic=True)
-    return eng, _engines[key]
+        _engines[key] = RefEngine(str(tiny_ckpt(family, num_hidden_layers=LAYERS)), dtype="float32", device="cpu",
+                                  page_size=page_size)
+    return _engines[key]
 
 
 def moved_variant_kv(eng: Engine, chunk: Chunk, start: int, stored: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +100,7 @@ def stored_tokens(chunk: Chunk, page_size: int) -> int:
 @pytest.mark.parametrize("family, page_size", [("qwen3", 4), ("gemma3_text", 3)])
 def test_a_chunk_after_its_context_places_the_conditioned_kv_moved_by_start_less_the_context(tiny_ckpt, family,
                                                                                               page_size):
-    eng, _ = engines(tiny_ckpt, family, page_size)
+    eng = fast_engine(tiny_ckpt, family, page_size)
     head, system = seeded_ids(5, "head"), seeded_ids(6, "system")
     docs = [seeded_ids(n, ("doc", n)) for n in (13, 10, 9)]
     after_system = eng.register_chunk(docs[0], after=[head, system])
@@ -88,23 +109,22 @@ def test_a_chunk_after_its_context_places_the_conditioned_kv_moved_by_start_less
     elsewhere = eng.register_chunk(docs[2], after=seeded_ids(4, "other"))   # no variant fits the prompts below
     prompt = [head, system, [5, 6], alone, after_head, elsewhere, [7, 8]]
     k, v = eng.prefill_kv(prompt, reuse=Blend(0.0))
-    out = eng.generate([prompt], PARAMS, reuse=Blend(0.0))[0]
-    report = out.chunk_reuse
-    # the longest context the prompt opens with: head + system, though the handle given was registered after head
-    assert [r.context for r in report] == [None, None, None, NO_CONTEXT, after_system.context, None, None]
     start = len(head) + len(system) + 2
+    # the longest context the prompt opens with: head + system, though the handle given was registered after head
     for chunk, used in ((alone, alone), (after_head, after_system)):
         stored = stored_tokens(used, page_size)
         k_want, v_want = moved_variant_kv(eng, used, start, stored)
         torch.testing.assert_close(k[:, start:start + stored], k_want, atol=2e-5, rtol=1e-5)
         assert torch.equal(v[:, start:start + stored], v_want)
         start += len(chunk)
+    report = eng.generate([prompt], ONE, reuse=Blend(0.0))[0].chunk_reuse
+    assert [r.context for r in report] == [None, None, None, NO_CONTEXT, after_system.context, None, None]
     assert [(r.blended, r.recomputed) for r in report[3:5]] == [
         (stored_tokens(alone, page_size), len(alone) - stored_tokens(alone, page_size)),
         (stored_tokens(after_system, page_size), len(docs[0]) - stored_tokens(after_system, page_size))]
     assert (report[5].blended, report[5].recomputed) == (0, len(docs[2]))   # no variant: computed like text
     # the prompt opening with head alone uses the variant after head
-    out = eng.generate([[head, [9], after_system]], PARAMS, reuse=Blend(0.0))[0]
+    out = eng.generate([[head, [9], after_system]], ONE, reuse=Blend(0.0))[0]
     assert out.chunk_reuse[-1].context == after_head.context
 
 
@@ -197,7 +217,7 @@ def test_the_fast_engines_conditioned_blend_equals_the_references(tiny_ckpt, cas
     prompt opens with the context, then fresh text (so both engines blend every chunk: the fast engine's exact hit
     covers the context only)."""
     (family, page_size), blend, order, n_ctx, seed = case
-    eng, ref = engines(tiny_ckpt, family, page_size)
+    eng, ref = fast_engine(tiny_ckpt, family, page_size), reference(tiny_ckpt, family, page_size)
     context = seeded_ids(n_ctx, ("context", seed))
     docs = [seeded_ids(n, ("doc", seed, n)) for n in (11, 14, 7)]
     afters = [context, context[:max(1, n_ctx // 2)], None]
