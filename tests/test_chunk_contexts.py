@@ -80,7 +80,7 @@ def reference(tiny_ckpt, family: str, page_size: int) -> RefEngine:
     return _engines[key]
 
 
-def moved_variant_kv(eng: Engine, chunk: Chunk, start: int, stored: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moved_variant_kv(eng, chunk: Chunk, start: int, stored: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The oracle of a placed variant: the chunk's first `stored` tokens' K/V from one forward of context + chunk,
     K rotated by (start - len(context)), as blend mode with nothing recomputed must place them."""
     n_ctx = len(chunk.context)
@@ -98,9 +98,14 @@ def stored_tokens(chunk: Chunk, page_size: int) -> int:
 
 
 @pytest.mark.parametrize("family, page_size", [("qwen3", 4), ("gemma3_text", 3)])
-def test_a_chunk_after_its_context_places_the_conditioned_kv_moved_by_start_less_the_context(tiny_ckpt, family,
+@pytest.mark.parametrize("which", ["reference", "fast"])
+def test_a_chunk_after_its_context_places_the_conditioned_kv_moved_by_start_less_the_context(tiny_ckpt, which, family,
                                                                                               page_size):
-    eng = fast_engine(tiny_ckpt, family, page_size)
+    if which == "fast":
+        eng = fast_engine(tiny_ckpt, family, page_size)
+    else:   # a registry of its own
+        eng = RefEngine(str(tiny_ckpt(family, num_hidden_layers=LAYERS)), dtype="float32", device="cpu",
+                        page_size=page_size)
     head, system = seeded_ids(5, "head"), seeded_ids(6, "system")
     docs = [seeded_ids(n, ("doc", n)) for n in (13, 10, 9)]
     after_system = eng.register_chunk(docs[0], after=[head, system])
