@@ -1152,6 +1152,11 @@ MUTANTS = [
            "            call.future.set_result(self.engine.issue(call.ids, None))\n",
            "the server issues a chunk the engine process pinned without recording its pin, so DELETE /v1/chunks "
            "refuses to unpin it and its pages stay pinned for ever"),
+    # session 29, lead: a temperature that vanishes in float32 is greedy (as in vLLM)
+    Mutant("greedy_only_at_exactly_zero_temperature", "chunkwise/sampling.py::SamplingParams.greedy",
+           "return self.temperature < GREEDY_TEMPERATURE", "return self.temperature == 0.0",
+           "only temperature 0 is greedy: 5e-324 passes validation, reaches the sampler as 0.0 in float32 and the "
+           "step fails with finish_reason 'error'"),
 ]
 
 
