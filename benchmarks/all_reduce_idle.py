@@ -8,8 +8,9 @@ start and end stamped on the GPU (%globaltimer), in phases that each start the s
   host-spin S   after S seconds idle with the host spinning, not asleep
   profiler      the first replays under torch.profiler (both ranks' traces written)
 
-for the custom all-reduce and for NCCL in the same slot. Per phase and rank: each call's time (its kernel's wait
-for the peer included), the calls over STALL_US, and the SM clock (NVML) before and after.
+for the custom all-reduce, the same with every poll of its wait reading the abort word in host memory (as before
+issue 51's fix: host_poll_after_ns=0) and NCCL, in the same slot. Per phase and rank: each call's time (its
+kernel's wait for the peer included), the calls over STALL_US, and the SM clock (NVML) before and after.
 
     NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD python -m benchmarks.all_reduce_idle --out out/idle
 """
@@ -29,7 +30,7 @@ import triton
 import triton.language as tl
 
 from chunkwise.engine.distributed.custom_all_reduce import CustomAllReduce
-from chunkwise.kernels.all_reduce import _clock_ns
+from chunkwise.kernels.all_reduce import HOST_POLL_AFTER_NS, _clock_ns
 
 HIDDEN, ROWS, CALLS = 4096, 256, 64
 STALL_US = 500.0
@@ -71,13 +72,14 @@ def _rank_main(rank: int, size: int, port: int, out: str, phases: list) -> None:
     h = torch.randn(ROWS, HIDDEN, device=dev, dtype=torch.bfloat16, generator=gen)
     stamps = torch.zeros(2 * CALLS, dtype=torch.int64, device=dev)
     results = {}
-    for mode in ("custom", "nccl"):
+    for mode in ("custom-host-poll", "custom", "nccl"):
+        car.buffers.host_poll_after_ns = 0 if mode == "custom-host-poll" else HOST_POLL_AFTER_NS
         def step():
             x = h
             for c in range(CALLS):
                 y = x @ w
                 _stamp_kernel[(1,)](stamps, 2 * c)
-                if mode == "custom":
+                if mode != "nccl":
                     car.all_reduce(y)
                 else:
                     dist.all_reduce(y)
@@ -122,7 +124,7 @@ def _rank_main(rank: int, size: int, port: int, out: str, phases: list) -> None:
                         h @ w
                     torch.cuda.synchronize()
             clock1 = _sm_clock(rank)
-            if name == "profiler":
+            if name == "profiler" and mode != "nccl":
                 from torch.profiler import ProfilerActivity, profile
                 with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
                     rows = replays(3)
@@ -131,7 +133,7 @@ def _rank_main(rank: int, size: int, port: int, out: str, phases: list) -> None:
                 rows = replays(3)
             clock2 = _sm_clock(rank)
             label = f"{name} {seconds}" if seconds else name
-            if rank == 0 and name == "profiler":   # which processes hold a context on which GPU, with the profiler on
+            if rank == 0 and name == "profiler" and mode != "nccl":   # which processes hold a context on each GPU
                 import subprocess
                 apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_bus_id,used_memory",
                                        "--format=csv"], capture_output=True, text=True).stdout
@@ -149,11 +151,11 @@ def _rank_main(rank: int, size: int, port: int, out: str, phases: list) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="out/idle")
-    p.add_argument("--idle", type=float, nargs="*", default=[0.1, 1.0, 3.0])
+    p.add_argument("--idle", type=float, nargs="*", default=[0.1, 2.0])
     a = p.parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     phases = ([("steady", 0)] + [("idle", s) for s in a.idle] + [("busy", max(a.idle)), ("host-spin", max(a.idle)),
-                                                                  ("profiler", 0), ("idle", max(a.idle))])
+                                                                  ("profiler", 0)])
     mp.spawn(_rank_main, args=(2, 29511, a.out, phases), nprocs=2, join=True)
     ranks = [json.loads(Path(a.out, f"idle_rank{r}.json").read_text()) for r in range(2)]
     print("compute apps after the profiler phase:", ranks[0].pop("apps", None))
