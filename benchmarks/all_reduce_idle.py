@@ -52,7 +52,7 @@ def _sm_clock(index: int) -> int:
         return -1
 
 
-def _rank_main(rank: int, size: int, port: int, out: str, phases: list) -> None:
+def _rank_main(rank: int, size: int, port: int, out: str, phases: list, modes: list) -> None:
     for k, v in NO_MULTICAST.items():
         os.environ.setdefault(k, v)
     torch.cuda.set_device(rank)
@@ -72,7 +72,7 @@ def _rank_main(rank: int, size: int, port: int, out: str, phases: list) -> None:
     h = torch.randn(ROWS, HIDDEN, device=dev, dtype=torch.bfloat16, generator=gen)
     stamps = torch.zeros(2 * CALLS, dtype=torch.int64, device=dev)
     results = {}
-    for mode in ("custom-host-poll", "custom", "nccl"):
+    for mode in modes:
         car.buffers.host_poll_after_ns = 0 if mode == "custom-host-poll" else HOST_POLL_AFTER_NS
         def step():
             x = h
@@ -152,11 +152,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="out/idle")
     p.add_argument("--idle", type=float, nargs="*", default=[0.1, 2.0])
+    p.add_argument("--modes", nargs="*", default=["custom-host-poll", "custom", "nccl"])
     a = p.parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     phases = ([("steady", 0)] + [("idle", s) for s in a.idle] + [("busy", max(a.idle)), ("host-spin", max(a.idle)),
                                                                   ("profiler", 0)])
-    mp.spawn(_rank_main, args=(2, 29511, a.out, phases), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, 29511, a.out, phases, a.modes), nprocs=2, join=True)
     ranks = [json.loads(Path(a.out, f"idle_rank{r}.json").read_text()) for r in range(2)]
     print("compute apps after the profiler phase:", ranks[0].pop("apps", None))
     for mode in ranks[0]:
