@@ -155,6 +155,8 @@ def test_a_short_wait_reads_no_abort_word_in_host_memory():
     group = _group(world, hidden, dtype)
     assert group[0].host_poll_after_ns > 10_000_000
     parts = [torch.full((4, hidden), float(r + 1), device="cuda", dtype=dtype) for r in range(world)]
+    torch.cuda._sleep(1)   # its module loaded now: a lazy load inside _together waits for rank 0's spinning call
+    torch.cuda.synchronize()
     group[0].control[0] = 1   # abort asked: only a wait that reads it would give up
     _together(group, lambda r, b: (torch.cuda._sleep(5_000_000) if r == 1 else None, push_all_reduce(parts[r], b)))
     assert group[0].gave_up() is None, "a short wait read the abort word"
