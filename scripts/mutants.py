@@ -1157,6 +1157,19 @@ MUTANTS = [
            "return self.temperature < GREEDY_TEMPERATURE", "return self.temperature == 0.0",
            "only temperature 0 is greedy: 5e-324 passes validation, reaches the sampler as 0.0 in float32 and the "
            "step fails with finish_reason 'error'"),
+    # ---- h51tp (issue 51): the warm-up's one-pass prefill attention; the custom all-reduce on by default --------
+    Mutant("warm_up_misses_one_pass_x16_sequences", "chunkwise/engine/model_runner.py::ModelRunner._one_pass_prefills",
+           "[-(-need // 16) * 16, other]", "[other]",
+           "the warm-up has no one-pass prefill of a multiple of 16 sequences: a real step of 16 prefills above "
+           "PREFILL_SPLIT_ROWS compiles the attention kernel inside a user's step"),
+    Mutant("custom_all_reduce_opt_in_again", "chunkwise/engine_config.py::EngineConfig",
+           "custom_all_reduce: bool = True", "custom_all_reduce: bool = False",
+           "the custom all-reduce is opt-in again: NVLink GPUs run every all-reduce through NCCL by default"),
+    Mutant("custom_all_reduce_warns_off_cuda",
+           "chunkwise/engine/distributed/tensor_parallel.py::TensorParallel.with_custom_all_reduce",
+           'if self.device.type == "cuda":', "if True:",
+           "every CPU (gloo) tensor-parallel engine warns that the default custom all-reduce is off, though it "
+           "never runs there"),
 ]
 
 
