@@ -79,6 +79,7 @@ SELECTION = [
     "tests/test_page_pool.py",
     "tests/test_chunks.py",
     "tests/test_row_plan.py",
+    "tests/test_blend_policy.py",
     "tests/test_blend.py",
     "tests/test_blend_reference.py",
     "tests/test_page_tables.py",
@@ -1170,6 +1171,26 @@ MUTANTS = [
            'if self.device.type == "cuda":', "if True:",
            "every CPU (gloo) tensor-parallel engine warns that the default custom all-reduce is off, though it "
            "never runs there"),
+    # ---- h50adapt: blend policy "adaptive" (issue #50 §2): kv-deviation's budget shared among the chunks ----
+    Mutant("adaptive_places_split_evenly_among_chunks", "chunkwise/engine/row_plan.py::group_scores",
+           "quotient = (sums[last] - sums[first]).float() / (2 * rank + 1).float()",
+           "quotient = 1 / (2 * rank + 1).float()",
+           "the fast engine's adaptive selection ignores how far each chunk's K/V moved: every chunk gets the same "
+           "share of a check layer's places, a self-contained chunk as many as one that leans on the others"),
+    Mutant("reference_adaptive_places_split_evenly_among_chunks", "chunkwise/reference/blend.py::apportioned",
+           "total = deviation[idx].double().sum().float()",
+           "total = torch.ones((), dtype=torch.float32, device=deviation.device)",
+           "the reference's adaptive policy shares each check layer's places evenly among the chunks, whatever "
+           "their deviation"),
+    Mutant("adaptive_plan_selects_over_the_prompt_as_one", "chunkwise/engine/blend/planning.py::plan_blend",
+           'groups = group if layers and params.policy == "adaptive" else None',
+           "groups = None",
+           "an adaptive blend plans no groups: the fast engine keeps kv-deviation's most deviating candidates of the "
+           "whole prompt, not each chunk's share"),
+    Mutant("blend_budget_grows_a_place_per_piece", "chunkwise/engine/blend/planning.py::plan_blend",
+           "[num_kept(x, n) for x in check_ratios(",
+           "[num_kept(x, n) + len(pieces) for x in check_ratios(",
+           "a blend's check layers keep a place per piece on top of k(r_l): the recomputed total exceeds the budget r"),
 ]
 
 

@@ -181,11 +181,14 @@ class ModelRunner:
 
     def _upload_rows(self, plan: HostRows) -> RowInputs:
         layers = sorted(plan.checks)
-        (src, dst, deltas, placed), _ = self._packed([plan.src_slots, plan.dst_slots, plan.deltas, plan.placed],
-                                                     torch.int64)
+        grouped = plan.groups is not None
+        (src, dst, deltas, placed, *groups), _ = self._packed(
+            [plan.src_slots, plan.dst_slots, plan.deltas, plan.placed] + ([plan.groups] if grouped else []),
+            torch.int64)
         qsls, _ = self._packed([plan.checks[i][1] for i in layers], torch.int32)
         return RowInputs(src, dst, deltas, placed.bool(),
-                         {i: RowSelection(plan.checks[i][0], q) for i, q in zip(layers, qsls)})
+                         {i: RowSelection(plan.checks[i][0], q) for i, q in zip(layers, qsls)},
+                         groups=groups[0] if grouped else None)
 
     def _packed(self, arrays, dtype):
         """Device views of `arrays` packed into one buffer (one host-to-device copy); each view starts
