@@ -47,7 +47,7 @@ from benchmarks.bench_blend import (SYSTEM_PROMPT, ByteTokenizer, Framing, compo
 from benchmarks.padded_forcing import forced_logprobs
 from benchmarks.paired_bootstrap import paired_bootstrap
 from benchmarks.bench_blend import DOCS_PER_TASK
-from benchmarks.quality_tasks import EASY_FAMILY, FAMILIES, SINGLE_HOP, Task, make_pool, make_tasks
+from benchmarks.quality_tasks import EASY_FAMILY, FAMILIES, POOL, SINGLE_HOP, Task, make_pool, make_tasks
 from chunkwise.chunks import BLEND_POLICIES, Blend, Chunk
 from chunkwise.sampling import SamplingParams
 
@@ -401,6 +401,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tasks", type=int, default=500, help="single-hop tasks (the three families in turn)")
     ap.add_argument("--two-hop-tasks", type=int, default=150)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pool", type=ratios, default=list(POOL.values()),
+                    help="documents per kind in the pool: records,passkeys,functions,managers")
     ap.add_argument("--docs", type=ratios, default=list(DOCS_PER_TASK), help="least,most documents per task")
     ap.add_argument("--ratios", type=ratios, default=list(DEFAULT_RATIOS))
     ap.add_argument("--configs", default="all",
@@ -459,7 +461,7 @@ def main(argv=None) -> dict:
     configurations = [c for c in wanted if c.name not in skipped]
     modes = modes_for(configurations, args.ratios)
 
-    pool = make_pool(args.seed)
+    pool = make_pool(args.seed, dict(zip(POOL, (int(n) for n in args.pool))))
     tasks = make_tasks(args.seed, args.tasks, args.two_hop_tasks, pool, tuple(int(d) for d in args.docs))
     prompts = Prompts(engine, tokenizer, pool, tasks)
     measure = Measure(model, tokenizer, tasks, prompts.answers, engine.model_config.eos_token_ids, args.batch,
