@@ -108,6 +108,9 @@ SELECTION = [
     "tests/test_engine_config.py",
     "tests/test_readme.py::test_python_block_uses_only_names_it_or_its_section_defines",   # cheap: no block runs
     "tests/test_bench_host.py",                                                # the benchmarks' CPU tier, seconds
+    "tests/test_bench_blend_quality.py::test_a_known_paired_difference_gives_a_known_interval_side",   # the
+    "tests/test_bench_blend_quality.py::test_a_two_hop_answer_needs_both_its_documents",      # quality bench's
+    "tests/test_bench_blend_quality.py::test_batched_forcing_equals_the_reference_extend_per_prompt",   # parts
     "tests/test_cli.py::test_a_bad_argument_is_one_line_naming_it_and_exit_status_1",   # no model runs
 ]
 SMOKE_MARKER = "smoke"   # conftest.py runs these first in any selection
@@ -1191,6 +1194,23 @@ MUTANTS = [
            "[num_kept(x, n) for x in check_ratios(",
            "[num_kept(x, n) + len(pieces) for x in check_ratios(",
            "a blend's check layers keep a place per piece on top of k(r_l): the recomputed total exceeds the budget r"),
+    # issue #50 §3, the blend quality benchmark (benchmarks/bench_blend_quality.py and its parts)
+    Mutant("quality_bootstrap_unpaired", "benchmarks/paired_bootstrap.py::paired_bootstrap",
+           "    means = d[idx].mean(axis=1)\n",
+           "    other = np.random.default_rng(seed + 1).integers(0, d.size, size=(resamples, d.size))\n"
+           "    means = a[idx].mean(axis=1) - b[other].mean(axis=1)\n",
+           "the bootstrap resamples the mode's tasks and exact's tasks independently (unpaired): the interval "
+           "widens by the tasks' own spread and a 2-point difference can no longer be told from 0"),
+    Mutant("quality_two_hop_answer_in_one_document", "benchmarks/quality_tasks.py::make_tasks",
+           "two_hop_question(pool[record].key),\n                          manager_code(pool[profile])))",
+           "two_hop_question(pool[record].key),\n                          pool[record].answer))",
+           "a two-hop task's expected answer is the record's own access code: one document answers it, and the "
+           "family no longer measures cross-chunk attention"),
+    Mutant("quality_forcing_attends_padding", "benchmarks/padded_forcing.py::PaddedReference.attention",
+           "allowed = j <= pos",
+           "allowed = j < s",
+           "batched teacher forcing lets every forced row attend the whole padded cache (later forced rows and "
+           "the padding of shorter prompts): its log-probabilities are no longer the reference's extend"),
 ]
 
 
