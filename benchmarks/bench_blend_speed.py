@@ -2,6 +2,10 @@
 same process, same prompts (GPU; issues #28 §5, #49 §3).
 
     pytest --benchmark-only benchmarks/bench_blend_speed.py -s
+    BENCH_BLEND_SPEED_JSON=out/speed.json pytest --benchmark-only benchmarks/bench_blend_speed.py -k ttft -s
+
+With BENCH_BLEND_SPEED_JSON set, every case's results so far ({case: {mode: metrics}}) are written there after each
+case (benchmarks/bench_blend_quality.py --speed-json reads its TTFTs).
 
 A random bf16 model of Qwen3-0.6B's shape (quality is benchmarks/bench_blend.py's, on real checkpoints); 20
 registered documents of 512 random tokens, each pinned. Two cases, each after a warm-up run of the same shape:
@@ -22,6 +26,8 @@ matmul rate but no faster than one read of the weights, plus the relocation's by
 """
 from __future__ import annotations
 
+import json
+import os
 import random
 import statistics
 import time
@@ -81,6 +87,9 @@ def sync():
 def keep(benchmark, case: str, out: dict) -> None:
     """A case's results, per mode, kept for the module and the benchmark's JSON (the case's timing is its own)."""
     RESULTS[case] = out
+    if os.environ.get("BENCH_BLEND_SPEED_JSON"):
+        with open(os.environ["BENCH_BLEND_SPEED_JSON"], "w") as f:
+            json.dump(RESULTS, f, indent=1)
     benchmark.extra_info.update(out)
     benchmark.pedantic(lambda: None, rounds=1)
 

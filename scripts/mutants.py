@@ -79,6 +79,7 @@ SELECTION = [
     "tests/test_page_pool.py",
     "tests/test_chunks.py",
     "tests/test_row_plan.py",
+    "tests/test_blend_policy.py",
     "tests/test_blend.py",
     "tests/test_blend_reference.py",
     "tests/test_chunk_contexts.py",
@@ -108,6 +109,9 @@ SELECTION = [
     "tests/test_engine_config.py",
     "tests/test_readme.py::test_python_block_uses_only_names_it_or_its_section_defines",   # cheap: no block runs
     "tests/test_bench_host.py",                                                # the benchmarks' CPU tier, seconds
+    "tests/test_bench_blend_quality.py::test_a_known_paired_difference_gives_a_known_interval_side",   # the
+    "tests/test_bench_blend_quality.py::test_a_two_hop_answer_needs_both_its_documents",      # quality bench's
+    "tests/test_bench_blend_quality.py::test_batched_forcing_equals_the_reference_extend_per_prompt",   # parts
     "tests/test_cli.py::test_a_bad_argument_is_one_line_naming_it_and_exit_status_1",   # no model runs
 ]
 SMOKE_MARKER = "smoke"   # conftest.py runs these first in any selection
@@ -1153,6 +1157,61 @@ MUTANTS = [
            "            call.future.set_result(self.engine.issue(call.ids, None, call.context))\n",
            "the server issues a chunk the engine process pinned without recording its pin, so DELETE /v1/chunks "
            "refuses to unpin it and its pages stay pinned for ever"),
+    # session 29, lead: a temperature that vanishes in float32 is greedy (as in vLLM)
+    Mutant("greedy_only_at_exactly_zero_temperature", "chunkwise/sampling.py::SamplingParams.greedy",
+           "return self.temperature < GREEDY_TEMPERATURE", "return self.temperature == 0.0",
+           "only temperature 0 is greedy: 5e-324 passes validation, reaches the sampler as 0.0 in float32 and the "
+           "step fails with finish_reason 'error'"),
+    # ---- h51tp (issue 51): the warm-up's one-pass prefill attention; the custom all-reduce on by default --------
+    Mutant("warm_up_misses_one_pass_x16_sequences", "chunkwise/engine/model_runner.py::ModelRunner._one_pass_prefills",
+           "[-(-need // 16) * 16, other]", "[other]",
+           "the warm-up has no one-pass prefill of a multiple of 16 sequences: a real step of 16 prefills above "
+           "PREFILL_SPLIT_ROWS compiles the attention kernel inside a user's step"),
+    Mutant("custom_all_reduce_opt_in_again", "chunkwise/engine_config.py::EngineConfig",
+           "custom_all_reduce: bool = True", "custom_all_reduce: bool = False",
+           "the custom all-reduce is opt-in again: NVLink GPUs run every all-reduce through NCCL by default"),
+    Mutant("custom_all_reduce_warns_off_cuda",
+           "chunkwise/engine/distributed/tensor_parallel.py::TensorParallel.with_custom_all_reduce",
+           'if self.device.type == "cuda":', "if True:",
+           "every CPU (gloo) tensor-parallel engine warns that the default custom all-reduce is off, though it "
+           "never runs there"),
+    # ---- h50adapt: blend policy "adaptive" (issue #50 §2): kv-deviation's budget shared among the chunks ----
+    Mutant("adaptive_places_split_evenly_among_chunks", "chunkwise/engine/row_plan.py::group_scores",
+           "quotient = (sums[last] - sums[first]).float() / (2 * rank + 1).float()",
+           "quotient = 1 / (2 * rank + 1).float()",
+           "the fast engine's adaptive selection ignores how far each chunk's K/V moved: every chunk gets the same "
+           "share of a check layer's places, a self-contained chunk as many as one that leans on the others"),
+    Mutant("reference_adaptive_places_split_evenly_among_chunks", "chunkwise/reference/blend.py::apportioned",
+           "total = deviation[idx].double().sum().float()",
+           "total = torch.ones((), dtype=torch.float32, device=deviation.device)",
+           "the reference's adaptive policy shares each check layer's places evenly among the chunks, whatever "
+           "their deviation"),
+    Mutant("adaptive_plan_selects_over_the_prompt_as_one", "chunkwise/engine/blend/planning.py::plan_blend",
+           'groups = group if layers and params.policy == "adaptive" else None',
+           "groups = None",
+           "an adaptive blend plans no groups: the fast engine keeps kv-deviation's most deviating candidates of the "
+           "whole prompt, not each chunk's share"),
+    Mutant("blend_budget_grows_a_place_per_piece", "chunkwise/engine/blend/planning.py::plan_blend",
+           "[num_kept(x, n) for x in check_ratios(",
+           "[num_kept(x, n) + len(pieces) for x in check_ratios(",
+           "a blend's check layers keep a place per piece on top of k(r_l): the recomputed total exceeds the budget r"),
+    # issue #50 §3, the blend quality benchmark (benchmarks/bench_blend_quality.py and its parts)
+    Mutant("quality_bootstrap_unpaired", "benchmarks/paired_bootstrap.py::paired_bootstrap",
+           "    means = d[idx].mean(axis=1)\n",
+           "    other = np.random.default_rng(seed + 1).integers(0, d.size, size=(resamples, d.size))\n"
+           "    means = a[idx].mean(axis=1) - b[other].mean(axis=1)\n",
+           "the bootstrap resamples the mode's tasks and exact's tasks independently (unpaired): the interval "
+           "widens by the tasks' own spread and a 2-point difference can no longer be told from 0"),
+    Mutant("quality_two_hop_answer_in_one_document", "benchmarks/quality_tasks.py::make_tasks",
+           "two_hop_question(pool[record].key),\n                          manager_code(pool[profile])))",
+           "two_hop_question(pool[record].key),\n                          pool[record].answer))",
+           "a two-hop task's expected answer is the record's own access code: one document answers it, and the "
+           "family no longer measures cross-chunk attention"),
+    Mutant("quality_forcing_attends_padding", "benchmarks/padded_forcing.py::PaddedReference.attention",
+           "allowed = j <= pos",
+           "allowed = j < s",
+           "batched teacher forcing lets every forced row attend the whole padded cache (later forced rows and "
+           "the padding of shorter prompts): its log-probabilities are no longer the reference's extend"),
     # ---- h50ctx: chunks computed under a context (issue #50 §1) ----
     Mutant("conditioned_chunk_moved_by_its_start", "chunkwise/engine/blend/planning.py::plan_blend",
            "        delta[idx] = first - n_ctx\n",
