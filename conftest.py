@@ -49,6 +49,9 @@ def _is_benchmark(config, item) -> bool:
 # take about 65 s on one core, and a minute more for the blend tail graphs' staging test); `-m smoke` runs them
 # alone, as scripts/mutants.py --smoke-only does.
 SMOKE = (
+    # blend's plans and row selections on the host, no model, milliseconds: the adaptive policy's budget and shares
+    "tests/test_blend_policy.py",
+    "tests/test_row_plan.py",
     # blend mode's two planted bugs die here in seconds: a wrong re-rotation, rows attending past their position
     "tests/test_kernels_relocate.py::test_relocating_a_rotated_key_by_delta_rotates_it_to_its_new_position",
     "tests/test_kernels_positions.py::test_explicit_positions_match_reference_and_the_implicit_pass_bitwise_in_pinned_cases",

@@ -11,7 +11,8 @@ The system prompt and the documents are registered chunks; the checkpoint's chat
 turns when it has one (its text split around the two contents), plain text after a BOS otherwise. Documents run
 60..150 tokens, requests 500..1200.
 
-Per mode (exact, kv-deviation at each --ratios, chunk-heads at each --chunk-heads-ratios), over the tasks:
+Per mode (exact, kv-deviation at each --ratios, chunk-heads at each --chunk-heads-ratios, adaptive at each
+--adaptive-ratios: kv-deviation's budget shared among the chunks), over the tasks:
 - accuracy: greedy output holding the expected answer (as written, upper case; and in any case, which separates
   retrieval from following the instruction), next to exact mode's;
 - the share of the chunks' tokens recomputed (ChunkReuse.recomputed over the chunk pieces' tokens);
@@ -304,7 +305,8 @@ def plot(results: dict[str, dict], path: Path, title: str) -> None:
     for policy, rs in series.items():
         rs = sorted(rs, key=lambda r: r["ratio"])
         x = [r["ratio"] for r in rs]
-        style = dict(marker="o" if policy == "kv-deviation" else "s", linestyle="-" if len(rs) > 1 else "none")
+        style = dict(marker={"kv-deviation": "o", "adaptive": "^"}.get(policy, "s"),
+                     linestyle="-" if len(rs) > 1 else "none")
         left.plot(x, [r["accuracy"] for r in rs], label=f"{policy}: accuracy", **style)
         left.plot(x, [r["top1_agreement"] for r in rs], label=f"{policy}: top-1 agreement", alpha=0.7, **style)
         right.plot(x, [max(r["mean_kl"], 1e-6) for r in rs], label=f"{policy}: mean KL", **style)
@@ -337,6 +339,7 @@ def main(argv=None) -> dict[str, dict]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ratios", type=ratios, default=[0, 0.05, 0.15, 0.3, 1.0], help="kv-deviation's, comma-separated")
     ap.add_argument("--chunk-heads-ratios", type=ratios, default=[0.15], help="chunk-heads', comma-separated")
+    ap.add_argument("--adaptive-ratios", type=ratios, default=[0.15, 0.3], help="adaptive's, comma-separated")
     ap.add_argument("--no-exact", action="store_true", help="skip exact mode's generation (its row)")
     ap.add_argument("--out", type=Path, default=Path("out/bench_blend"))
     args = ap.parse_args(argv)
@@ -366,6 +369,7 @@ def main(argv=None) -> dict[str, dict]:
     prompts, answers = build_prompts(engine, tokenizer, pool, tasks)
     # exact's generation last: on the reference engine it recomputes the whole sequence per token, the slowest
     modes = [Blend(r, "kv-deviation") for r in args.ratios] + [Blend(r, "chunk-heads") for r in args.chunk_heads_ratios]
+    modes += [Blend(r, "adaptive") for r in args.adaptive_ratios]
     modes += [] if args.no_exact else ["exact"]
     lengths = [sum(len(p) for p in prompt) for prompt in prompts]
     header = (f"Blend quality against full recompute: {args.model}, {args.engine} engine, {args.dtype} on "

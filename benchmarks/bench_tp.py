@@ -11,12 +11,14 @@ Workloads, each engine running both (ignore_eos):
   100..1024 tokens, 100..1024 output tokens, all running at once (max_num_seqs 256);
 - "scaled", the smaller one earlier runs reported: 128 requests, prompts of 128..1024, 64..384 output tokens, at
   most 128 running (the engine's max_num_seqs stays 256; 128 requests never reach it).
-Engines: TP=1, TP=2 (NCCL, the default) and TP=2 with the custom all-reduce for the all-reduces that fit it (NCCL
-for the rest), so the custom all-reduce's gain is measured in the same run.
+Engines: TP=1, TP=2 with the default settings (the custom all-reduce for the all-reduces that fit it, NCCL for the
+rest, where the GPUs can run it) and TP=2 with NCCL alone (custom_all_reduce=False), so the custom all-reduce's gain
+is measured in the same run.
 Per engine: construction (weights, warm-up, CUDA graphs; for TP=2 the worker too), a first run on 32 requests of
 another seed, then one timed run of each workload, asserted to compile no Triton kernel (rank 0's count; every rank
-runs the same shapes). Then per workload a decode window: sequences of 512 prompt tokens decoding together (256 for
-the engine workload, 64 for the scaled one), 16 steps timed, 16 more under torch.profiler on rank 0, whose
+runs the same shapes). Then per workload decode windows: sequences of 512 prompt tokens decoding together (256 for
+the engine workload, 64 for the scaled one), WINDOW_RUNS windows of 16 steps timed, each after the GPUs idled
+IDLE_S (the stall issue 51 saw came after idle), then 16 more under torch.profiler on rank 0, whose
 communication kernels per step (2 all-reduces per layer, the embedding's, the greedy tokens' gather; NCCL's or the
 custom all-reduce's, whose fused residual add and norm count with it; waits for the other rank included) give the
 communication time per decode step.
@@ -66,7 +68,10 @@ WINDOW_PROMPT, WINDOW_STEPS = 512, 16
 COMM_CALLS_PER_STEP = 2 * LLAMA3_8B_SHAPE["num_hidden_layers"] + 2   # o and down per layer, embedding, tokens
 SHARD_BYTES = 4 << 30
 # (label, tensor_parallel_size, custom_all_reduce): TP=2 also with the custom all-reduce, same run
-CASES = [("TP=1", 1, False), ("TP=2", 2, False), ("TP=2 custom", 2, True)]
+CASES = [("TP=1", 1, True), ("TP=2", 2, True), ("TP=2 NCCL", 2, False)]
+WINDOW_RUNS, IDLE_S = 5, 1.0
+# BENCH_TP_WORKLOADS=engine runs the issue's workload alone (and no whole-run communication profile)
+WORKLOADS = {name: WORKLOADS[name] for name in os.environ.get("BENCH_TP_WORKLOADS", ",".join(WORKLOADS)).split(",")}
 RESULTS: dict[str, dict[str, dict]] = {name: {} for name in WORKLOADS}   # workload: engine label: results
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -180,11 +185,12 @@ def communication_share(eng: Engine) -> dict:
 
 
 def decode_window(eng: Engine, num_seqs: int) -> dict:
-    """Decode step time of num_seqs sequences decoding together, and rank 0's communication kernel time per step."""
+    """Decode step time of num_seqs sequences decoding together in WINDOW_RUNS windows, each after the GPUs idled
+    IDLE_S (their median is decode_step_ms), and rank 0's communication kernel time per step in one more, profiled."""
     from torch.profiler import ProfilerActivity, profile
 
     gen = torch.Generator().manual_seed(3)
-    params = SamplingParams(max_tokens=4 * WINDOW_STEPS, ignore_eos=True)
+    params = SamplingParams(max_tokens=(WINDOW_RUNS + 6) * WINDOW_STEPS, ignore_eos=True)
     for _ in range(num_seqs):
         eng.add_request(torch.randint(3, LLAMA3_8B_SHAPE["vocab_size"], (WINDOW_PROMPT,), generator=gen).tolist(),
                         params)
@@ -193,13 +199,16 @@ def decode_window(eng: Engine, num_seqs: int) -> dict:
         eng.step()
     for _ in range(4):   # decode-only from here
         eng.step()
-    torch.cuda.synchronize()
-    compiles, start = len(COMPILED), time.perf_counter()
-    for _ in range(WINDOW_STEPS):
-        eng.step()
-    torch.cuda.synchronize()
-    step_s = (time.perf_counter() - start) / WINDOW_STEPS
-    compiles = len(COMPILED) - compiles   # a compile (and its module load) in the window would be in its time
+    windows_ms, compiles = [], len(COMPILED)
+    for _ in range(WINDOW_RUNS):
+        torch.cuda.synchronize()
+        time.sleep(IDLE_S)
+        start = time.perf_counter()
+        for _ in range(WINDOW_STEPS):
+            eng.step()
+        torch.cuda.synchronize()
+        windows_ms.append(1e3 * (time.perf_counter() - start) / WINDOW_STEPS)
+    compiles = len(COMPILED) - compiles   # a compile (and its module load) in a window would be in its time
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(WINDOW_STEPS):
             eng.step()
@@ -208,12 +217,12 @@ def decode_window(eng: Engine, num_seqs: int) -> dict:
     comm = comm_kernels(kernels)
     while eng.has_unfinished():
         eng.step()
-    return dict(decode_step_ms=1e3 * step_s, window_compiles=compiles,
+    return dict(decode_step_ms=sorted(windows_ms)[WINDOW_RUNS // 2], windows_ms=windows_ms, window_compiles=compiles,
                 kernels_per_step=len(kernels) / WINDOW_STEPS,
                 comm_calls_per_step=len(comm) / WINDOW_STEPS, comm_ms_per_step=total_ms(comm) / WINDOW_STEPS)
 
 
-@pytest.mark.parametrize("label, tp, custom", CASES, ids=["tp1", "tp2", "tp2-custom"])
+@pytest.mark.parametrize("label, tp, custom", CASES, ids=["tp1", "tp2", "tp2-nccl"])
 def test_engine_throughput(benchmark, ckpt, setup, label, tp, custom):
     gc.collect()
     torch.cuda.empty_cache()
@@ -223,8 +232,8 @@ def test_engine_throughput(benchmark, ckpt, setup, label, tp, custom):
     runs = {}
     try:
         construct = time.perf_counter() - start
-        if custom and eng.executor.runner.tp.custom is None:   # its row would show NCCL's numbers
-            pytest.skip("the custom all-reduce cannot run on these GPUs (the engine's warning says why)")
+        if tp > 1 and custom and eng.executor.runner.tp.custom is None:   # the default fell back to NCCL
+            print(f"\n{label}: the custom all-reduce cannot run on these GPUs (the engine's warning says why): NCCL")
         run_engine(eng, make_workload(WORKLOADS["engine"], LLAMA3_8B_SHAPE["vocab_size"], seed=1)
                    .head(FIRST_RUN_REQUESTS))
         compiles = len(COMPILED)
@@ -233,7 +242,7 @@ def test_engine_throughput(benchmark, ckpt, setup, label, tp, custom):
             runs[name] = (benchmark.pedantic(run_engine, args=(eng, w), rounds=1, iterations=1) if name == "engine"
                           else run_engine(eng, w))
         timed_compiles = COMPILED[compiles:]
-        comm = communication_share(eng) if tp > 1 else {}   # one GPU runs no collective
+        comm = communication_share(eng) if tp > 1 and "scaled" in WORKLOADS else {}   # one GPU: no collective
         windows = {name: decode_window(eng, WINDOW_SEQS[name]) for name in WORKLOADS}
         num_pages, graphs = eng.executor.num_pages, len(eng.executor.runner.graphs)
     finally:   # the KV cache fills the GPUs: free them (and stop the worker) even when a check failed
@@ -261,7 +270,8 @@ def test_engine_throughput(benchmark, ckpt, setup, label, tp, custom):
         benchmark.extra_info[name] = r
         print(f"{label}, {name} workload: {tokens} tokens in {seconds:.2f} s = {r['tokens_per_s']:.0f} tok/s "
               f"({r['pct_roofline']:.1f}% of its roofline), Engine(...) {construct:.1f} s; decode step "
-              f"({WINDOW_SEQS[name]} sequences) {r['decode_step_ms']:.2f} ms, communication "
+              f"({WINDOW_SEQS[name]} sequences) {r['decode_step_ms']:.2f} ms (windows after idle: "
+              f"{', '.join(f'{m:.2f}' for m in r['windows_ms'])}), communication "
               f"{r['comm_ms_per_step']:.3f} ms in {r['comm_calls_per_step']:.0f} kernels per step "
               f"({'expected ' + str(COMM_CALLS_PER_STEP) if tp > 1 else 'none expected'})"
               + (f"; whole run (profiled, {r['profiled_run_s']:.2f} s): communication {r['run_comm_ms']:.0f} ms = "

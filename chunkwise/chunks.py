@@ -9,8 +9,9 @@ and to the per-piece report, not to the steps. Text pieces are tokenized without
 exactly the pieces' ids side by side; a BOS or chat-template ids go in an id piece or a chunk of their own.
 
 `reuse` says how a request may reuse cached K/V: "exact" (the default; only through the prefix cache, so the
-output equals generating the concatenated ids), or "blend" (== `Blend()`) or a `Blend`: CacheBlend-style
-composition of chunks' own K/V at any position, recomputing a share of the tokens (issue #28 §3).
+output equals generating the concatenated ids), or "blend" (== `DEFAULT_BLEND`, the one configuration the bare
+string names) or a `Blend`: CacheBlend-style composition of chunks' own K/V at any position, recomputing a share of
+the tokens (issue #28 §3).
 `ChunkReuse` reports, per piece, what the cache supplied.
 """
 from __future__ import annotations
@@ -21,8 +22,8 @@ from dataclasses import dataclass
 from chunkwise.limits import LIMIT
 from chunkwise.tokenizer import all_ints
 
-REUSE_MODES = ("exact", "blend")           # the names a request may give; "blend" means Blend()
-BLEND_POLICIES = ("kv-deviation", "chunk-heads")
+REUSE_MODES = ("exact", "blend")           # the names a request may give; "blend" means DEFAULT_BLEND
+BLEND_POLICIES = ("kv-deviation", "chunk-heads", "adaptive")
 
 _engine_numbers = itertools.count()
 
@@ -45,8 +46,10 @@ class Chunk:
 class Blend:
     """Blend mode's parameters: recompute about `recompute_ratio` of the chunks' tokens, chosen by `policy`:
     "kv-deviation" (CacheBlend: the tokens whose fresh K/V deviate most from their reused ones, filtered
-    gradually over the first layers) or "chunk-heads" (EPIC: the first tokens of every chunk). 0 reuses the
-    chunks' K/V as they are (moved to their new positions); 1 recomputes everything (exact mode's output)."""
+    gradually over the first layers), "chunk-heads" (EPIC: the first tokens of every chunk) or "adaptive"
+    (kv-deviation's budget and layers, shared out among the chunks in proportion to how far each one's K/V moved,
+    then its most deviating tokens: Cache-Craft's per-chunk decision). 0 reuses the chunks' K/V as they are
+    (moved to their new positions); 1 recomputes everything (exact mode's output)."""
     recompute_ratio: float = 0.15
     policy: str = "kv-deviation"
 
@@ -57,6 +60,9 @@ class Blend:
             raise ValueError(f"Blend recompute_ratio must be a number in [0, 1], got {r!r}")
         if self.policy not in BLEND_POLICIES:
             raise ValueError(f"Blend policy must be one of {list(BLEND_POLICIES)}, got {self.policy!r}")
+
+
+DEFAULT_BLEND = Blend()   # what reuse="blend" (the bare string, the server's too) asks for (issue #50 §4)
 
 
 @dataclass(frozen=True)
@@ -86,11 +92,11 @@ def is_composite(prompt) -> bool:
 
 
 def blend_params(reuse) -> Blend | None:
-    """None for "exact", `Blend()` for "blend", a `Blend` itself; else ValueError naming `reuse`."""
+    """None for "exact", `DEFAULT_BLEND` for "blend", a `Blend` itself; else ValueError naming `reuse`."""
     if isinstance(reuse, Blend):
         return reuse
     if isinstance(reuse, str) and reuse in REUSE_MODES:
-        return None if reuse == "exact" else Blend()
+        return None if reuse == "exact" else DEFAULT_BLEND
     raise ValueError(f"reuse must be one of {list(REUSE_MODES)} or a Blend, got {reuse!r:.80}")
 
 

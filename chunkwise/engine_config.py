@@ -82,8 +82,9 @@ class EngineConfig:
                                              # FlashAttention-3, where installed, on Hopper; not with
                                              # deterministic=True). Decodes and blends keep chunkwise's kernels.
     tensor_parallel_size: int = 1            # ranks (one process and device each) sharding the model, Megatron-style
-    custom_all_reduce: bool = False          # tensor parallel on GPUs: small all-reduces through peer memory, not
-                                             # NCCL (opt-in: docs/ENGINE.md, Several GPUs)
+    custom_all_reduce: bool = True           # tensor parallel on NVLink GPUs: small all-reduces through peer
+                                             # memory, NCCL above its size limit; off where it cannot run
+                                             # (docs/ENGINE.md, Several GPUs); False: NCCL for every one
     async_scheduling: bool | None = None     # overlap: prepare step k+1 while the device runs step k; None: on
                                              # with CUDA (on CPU the host is the device: nothing to overlap)
     path: Path | None = field(default=None, init=False, repr=False)                 # the checkpoint directory

@@ -20,7 +20,7 @@ class Request:
     params: SamplingParams
     chunk_sizes: list[int] | None   # the caller's prefill chunk lengths, summing to the prompt length
     pieces: tuple[Piece, ...] | None = None   # a composite prompt's pieces, in order (chunkwise/chunks.py)
-    reuse: str | Blend = "exact"              # "exact" or the Blend asked for ("blend" resolved to Blend())
+    reuse: str | Blend = "exact"              # "exact" or the Blend asked for ("blend" resolved to DEFAULT_BLEND)
 
 
 def validate_requests(model_config: ModelConfig, tokenizer, max_model_len: int, prompts, sampling_params=None,

@@ -9,6 +9,10 @@ import torch
 from chunkwise.limits import LIMIT
 from chunkwise.tokenizer import is_int
 
+# Below this a temperature is greedy, as in vLLM: dividing float32 logits by a smaller one can overflow
+# (5e-324 is a valid float and would reach the sampler as 0.0).
+GREEDY_TEMPERATURE = 1e-5
+
 
 def _real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
@@ -25,7 +29,7 @@ class SamplingParams:
     """Checked in full at construction, so a bad value never reaches an engine's step. Numbers are
     normalised (temperature and top_p to float, stop_token_ids to a tuple of int)."""
     max_tokens: int = 16
-    temperature: float = 0.0          # 0 is greedy
+    temperature: float = 0.0          # 0 (or anything below GREEDY_TEMPERATURE) is greedy
     top_k: int = 0                    # 0 keeps every token
     top_p: float = 1.0
     seed: int | None = None           # per request: the same seed gives the same tokens
@@ -82,7 +86,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def needs_logits(self) -> bool:

@@ -79,6 +79,7 @@ SELECTION = [
     "tests/test_page_pool.py",
     "tests/test_chunks.py",
     "tests/test_row_plan.py",
+    "tests/test_blend_policy.py",
     "tests/test_blend.py",
     "tests/test_blend_reference.py",
     "tests/test_page_tables.py",
@@ -1148,6 +1149,44 @@ MUTANTS = [
            "            call.future.set_result(self.frontend.issue(call.ids, None))\n",
            "the server issues a chunk the engine process pinned without recording its pin, so DELETE /v1/chunks "
            "refuses to unpin it and its pages stay pinned for ever"),
+    # session 29, lead: a temperature that vanishes in float32 is greedy (as in vLLM)
+    Mutant("greedy_only_at_exactly_zero_temperature", "chunkwise/sampling.py::SamplingParams.greedy",
+           "return self.temperature < GREEDY_TEMPERATURE", "return self.temperature == 0.0",
+           "only temperature 0 is greedy: 5e-324 passes validation, reaches the sampler as 0.0 in float32 and the "
+           "step fails with finish_reason 'error'"),
+    # ---- h51tp (issue 51): the warm-up's one-pass prefill attention; the custom all-reduce on by default --------
+    Mutant("warm_up_misses_one_pass_x16_sequences", "chunkwise/engine/model_runner.py::ModelRunner._one_pass_prefills",
+           "[-(-need // 16) * 16, other]", "[other]",
+           "the warm-up has no one-pass prefill of a multiple of 16 sequences: a real step of 16 prefills above "
+           "PREFILL_SPLIT_ROWS compiles the attention kernel inside a user's step"),
+    Mutant("custom_all_reduce_opt_in_again", "chunkwise/engine_config.py::EngineConfig",
+           "custom_all_reduce: bool = True", "custom_all_reduce: bool = False",
+           "the custom all-reduce is opt-in again: NVLink GPUs run every all-reduce through NCCL by default"),
+    Mutant("custom_all_reduce_warns_off_cuda",
+           "chunkwise/engine/distributed/tensor_parallel.py::TensorParallel.with_custom_all_reduce",
+           'if self.device.type == "cuda":', "if True:",
+           "every CPU (gloo) tensor-parallel engine warns that the default custom all-reduce is off, though it "
+           "never runs there"),
+    # ---- h50adapt: blend policy "adaptive" (issue #50 §2): kv-deviation's budget shared among the chunks ----
+    Mutant("adaptive_places_split_evenly_among_chunks", "chunkwise/engine/row_plan.py::group_scores",
+           "quotient = (sums[last] - sums[first]).float() / (2 * rank + 1).float()",
+           "quotient = 1 / (2 * rank + 1).float()",
+           "the fast engine's adaptive selection ignores how far each chunk's K/V moved: every chunk gets the same "
+           "share of a check layer's places, a self-contained chunk as many as one that leans on the others"),
+    Mutant("reference_adaptive_places_split_evenly_among_chunks", "chunkwise/reference/blend.py::apportioned",
+           "total = deviation[idx].double().sum().float()",
+           "total = torch.ones((), dtype=torch.float32, device=deviation.device)",
+           "the reference's adaptive policy shares each check layer's places evenly among the chunks, whatever "
+           "their deviation"),
+    Mutant("adaptive_plan_selects_over_the_prompt_as_one", "chunkwise/engine/blend/planning.py::plan_blend",
+           'groups = group if layers and params.policy == "adaptive" else None',
+           "groups = None",
+           "an adaptive blend plans no groups: the fast engine keeps kv-deviation's most deviating candidates of the "
+           "whole prompt, not each chunk's share"),
+    Mutant("blend_budget_grows_a_place_per_piece", "chunkwise/engine/blend/planning.py::plan_blend",
+           "[num_kept(x, n) for x in check_ratios(",
+           "[num_kept(x, n) + len(pieces) for x in check_ratios(",
+           "a blend's check layers keep a place per piece on top of k(r_l): the recomputed total exceeds the budget r"),
     # ---- issue 48, one server driver (h48drv): the between-steps order, its transports, stop strings in the output
     # processor. Retired: serve_failed_submission_leaves_its_earlier_samples_queued (serve/engine_loop.py's
     # add_samples is gone: EngineClient.submit validates a whole submission before one Submit carries it, and the

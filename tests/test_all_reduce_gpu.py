@@ -144,3 +144,20 @@ def test_a_call_gives_up_after_its_timeout():
     waited = time.monotonic() - start
     assert group[0].gave_up() == WAITED_FOR_RANK_1, "a timed-out call was not marked where it stood"
     assert 0.2 <= waited < 5, f"the call waited {waited:.2f} s for a 0.2 s timeout"
+
+
+def test_a_short_wait_reads_no_abort_word_in_host_memory():
+    """Rank 0 waits a few milliseconds for rank 1 (held back by a sleep on its stream), with the abort word already
+    set: a wait shorter than host_poll_after_ns polls only the clock, so the call completes with the sum instead
+    of giving up. (Polling the abort word from the first poll let a slow host read delay every waiter, the ranks
+    taking turns: the stall of issue 51.)"""
+    world, hidden, dtype = 2, 1024, torch.float32
+    group = _group(world, hidden, dtype)
+    assert group[0].host_poll_after_ns > 10_000_000
+    parts = [torch.full((4, hidden), float(r + 1), device="cuda", dtype=dtype) for r in range(world)]
+    torch.cuda._sleep(1)   # its module loaded now: a lazy load inside _together waits for rank 0's spinning call
+    torch.cuda.synchronize()
+    group[0].control[0] = 1   # abort asked: only a wait that reads it would give up
+    _together(group, lambda r, b: (torch.cuda._sleep(5_000_000) if r == 1 else None, push_all_reduce(parts[r], b)))
+    assert group[0].gave_up() is None, "a short wait read the abort word"
+    assert all(torch.equal(p, torch.full_like(p, 3.0)) for p in parts)

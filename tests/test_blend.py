@@ -85,9 +85,14 @@ def build(eng: Engine, lengths, layout, seed) -> list:
     return [chunks[x] if kind == "chunk" else x for kind, x in layout]
 
 
+POLICIES = ["kv-deviation", "chunk-heads", "adaptive"]
+
+
 @settings(max_examples=6)
+@example(family="llama", page_size=3, comp=((13, 9, 17), [("chunk", 1), ("text", [5, 6]), ("chunk", 0), ("chunk", 2)]),
+         policy="adaptive", seed=5)
 @given(family=st.sampled_from(FAMILIES), page_size=st.sampled_from([1, 2, 3, 4, 8]), comp=compositions(),
-       policy=st.sampled_from(["kv-deviation", "chunk-heads"]), seed=st.integers(0, 10**6))
+       policy=st.sampled_from(POLICIES), seed=st.integers(0, 10**6))
 def test_blend_at_ratio_one_is_bitwise_exact_mode_in_deterministic_mode(tiny_ckpt, family, page_size, comp, policy,
                                                                         seed):
     eng = engine(tiny_ckpt, family, page_size)
@@ -112,8 +117,10 @@ PINNED_LAYOUT = ((13, 9, 17), [("chunk", 1), ("text", [5, 6]), ("chunk", 0), ("c
 @example(family="gemma3_text", page_size=1, comp=PINNED_LAYOUT, blend=Blend(0.1), seed=3)
 @example(family="qwen3", page_size=1, comp=((12, 8), [("chunk", 0), ("text", [5]), ("chunk", 1)]),
          blend=Blend(0.25, "chunk-heads"), seed=4)   # ends on a chunk's stored token: the prompt's last is still computed
+@example(family="qwen3", page_size=2, comp=PINNED_LAYOUT, blend=Blend(0.3, "adaptive"), seed=6)
+@example(family="gemma3_text", page_size=1, comp=PINNED_LAYOUT, blend=Blend(0.15, "adaptive"), seed=7)
 @given(family=st.sampled_from(FAMILIES), page_size=st.sampled_from([1, 2, 4, 8]), comp=compositions(),
-       blend=st.builds(Blend, st.sampled_from([0.0, 0.1, 0.3, 0.6]), st.sampled_from(["kv-deviation", "chunk-heads"])),
+       blend=st.builds(Blend, st.sampled_from([0.0, 0.1, 0.3, 0.6]), st.sampled_from(POLICIES)),
        seed=st.integers(0, 10**6))
 def test_blended_kv_and_tokens_equal_the_reference_engines_blend(tiny_ckpt, family, page_size, comp, blend, seed):
     eng = engine(tiny_ckpt, family, page_size)
@@ -188,11 +195,12 @@ def test_the_report_counts_what_each_policy_recomputed(tiny_ckpt, ratio):
         h = min(s, int(ratio * n + 0.5))
         assert (r.exact, r.blended, r.recomputed) == (0, s - h, n - s + h), r
     assert [r.recomputed for r in (heads[0], heads[3], heads[5])] == [2, 1, 3]
-    dev = eng.generate([prompt], PARAMS, reuse=Blend(ratio))[0].chunk_reuse
     n = sum(stored)
     kept = num_kept(check_ratios(ratio, LAYERS)[-1], n) if ratio else 0
-    assert sum(r.recomputed for r in dev) == sum(lengths) + 6 - n + kept
-    assert all(r.exact + r.blended + r.recomputed == r.num_tokens for r in dev)
+    for policy in ("kv-deviation", "adaptive"):   # the same budget, shared out differently
+        dev = eng.generate([prompt], PARAMS, reuse=Blend(ratio, policy))[0].chunk_reuse
+        assert sum(r.recomputed for r in dev) == sum(lengths) + 6 - n + kept, policy
+        assert all(r.exact + r.blended + r.recomputed == r.num_tokens for r in dev)
 
 
 def test_gradual_filtering_narrows_from_above_the_ratio_to_it():
@@ -222,6 +230,8 @@ def test_blend_is_refused_by_name_where_it_cannot_be_served_and_nothing_leaks(ti
         ok.generate([[doc, [5]]], PARAMS, chunk_sizes=[[4, 5]], reuse="blend")
     with pytest.raises(ValueError, match="1.5"):
         ok.generate([[doc, [5]]], PARAMS, reuse=Blend(1.5))
+    with pytest.raises(ValueError, match=r"\[0, 1\], got -0.25"):   # the adaptive budget's lower side
+        ok.generate([[doc, [5]]], PARAMS, reuse=Blend(-0.25, "adaptive"))
     with pytest.raises(ValueError, match="'nearest'"):
         ok.generate([[doc, [5]]], PARAMS, reuse=Blend(0.2, "nearest"))
     assert not eng.has_unfinished() and not ok.has_unfinished()

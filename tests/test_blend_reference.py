@@ -1,16 +1,20 @@
 """Blend mode in the reference engine (chunkwise/reference/blend.py, issue #28 §3), and `ReferenceModel.extend`.
 
-The anchors: r = 1 is a full recompute (exact mode's output within float32 tolerance, either policy, any c0);
+The anchors: r = 1 is a full recompute (exact mode's output within float32 tolerance, every policy, any c0);
 r = 0 composes the chunks' isolated K/V moved to their positions and recomputes only the fixed rows;
 chunk-heads computes exactly each chunk's first floor(r * len + 0.5) tokens; kv-deviation filters its
-candidates gradually down to k(r); bad input is refused by name. Tiny float32 models on CPU.
+candidates gradually down to k(r); adaptive keeps the same counts, shared among the chunks by Sainte-Laguë
+apportionment of the deviations measured at each check layer (a chunk computed where it was registered, at the
+prompt's start, gets none); bad input is refused by name. Tiny float32 models on CPU.
 """
+from fractions import Fraction
+
 import pytest
 import torch
 
 from chunkwise.chunks import Blend, ChunkReuse, Piece
 from chunkwise.reference import Engine, SamplingParams
-from chunkwise.reference.blend import blend_prefill, check_ratio, num_kept, top_candidates
+from chunkwise.reference.blend import apportioned, blend_prefill, check_ratio, num_kept, top_candidates
 from chunkwise.reference.model import rotate
 
 pytestmark = pytest.mark.correctness
@@ -68,7 +72,7 @@ def test_extend_after_the_prompts_own_cache_equals_the_full_forward(reference_en
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("policy", ["kv-deviation", "chunk-heads"])
+@pytest.mark.parametrize("policy", ["kv-deviation", "chunk-heads", "adaptive"])
 def test_ratio_1_equals_exact_generation(reference_engine, family, policy):
     eng = reference_engine(family)
     prompt = composite(eng)
@@ -100,7 +104,7 @@ def test_ratio_1_equals_the_full_forward_whatever_the_exact_prefix(reference_eng
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("policy", ["kv-deviation", "chunk-heads"])
+@pytest.mark.parametrize("policy", ["kv-deviation", "chunk-heads", "adaptive"])
 def test_ratio_0_composes_the_isolated_chunks_and_recomputes_the_rest_over_them(tiny_ckpt, family, policy):
     # page size 1: every chunk token is stored (with the default 16, these chunks would be all tail, computed as text)
     eng = Engine(tiny_ckpt(family), dtype="float32", device="cpu", page_size=1)
@@ -183,7 +187,45 @@ def test_kv_deviation_filters_gradually_down_to_k_of_r_candidates(reference_engi
     assert all(r.exact == 0 and r.blended + r.recomputed == r.num_tokens for r in out.chunk_reuse)
 
 
-@pytest.mark.parametrize("policy", ["kv-deviation", "chunk-heads"])
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("ratio", [0.15, 0.5])
+def test_adaptive_shares_each_check_layers_places_among_the_chunks_by_their_deviation(reference_engine, family, ratio):
+    eng = reference_engine(family, num_hidden_layers=5)     # check layers 1, 2, 3; layer 4 after them
+    prompt = composite(eng, seed=9)
+    out = blend_prefill(eng.model, flat(prompt), pieces_of(prompt), Blend(ratio, "adaptive"))
+    moved = placed(eng, prompt)
+    n = len(moved)
+    counts = [n, num_kept(check_ratio(ratio, 1, 3), n), num_kept(check_ratio(ratio, 2, 3), n), num_kept(ratio, n)]
+    fresh = [fresh_rows(out, moved, layer) for layer in range(1, 5)]
+    assert [len(f) for f in fresh] == counts               # kv-deviation's budget at every layer
+    chunks = {"A": range(4, 15), "B": range(18, 31)}
+    for layer in (1, 2, 3):   # the rows computed at a check layer, their deviation there, the rows going on
+        alive, survivors = fresh[layer - 1], set(fresh[layer])
+        dev = {p: float(((out.k[layer, p] - moved[p][0][layer]) ** 2).sum() + ((out.v[layer, p] - moved[p][1][layer])
+                                                                              ** 2).sum()) for p in alive}
+        held, sums, sizes = {}, {}, {}
+        for name, rows in chunks.items():
+            members = sorted((p for p in alive if p in rows), key=lambda p: (-dev[p], p))
+            held[name] = sum(p in survivors for p in members)
+            assert set(members[:held[name]]) <= survivors, (layer, name)   # its most deviating rows go on
+            sums[name], sizes[name] = sum(Fraction(dev[p]) for p in members), len(members)
+        # Sainte-Laguë: every place held is worth at least every place not taken
+        last_held = min((sums[c] / (2 * held[c] - 1) for c in chunks if held[c]), default=None)
+        next_free = max((sums[c] / (2 * held[c] + 1) for c in chunks if held[c] < sizes[c]), default=None)
+        assert last_held is None or next_free is None or last_held >= next_free, (layer, held, sums)
+    assert sum(r.recomputed for r in out.chunk_reuse if r.chunk) == num_kept(ratio, n)
+
+
+@pytest.mark.parametrize("ratio", [0.15, 0.3])
+def test_adaptive_spends_nothing_on_a_chunk_computed_where_it_was_registered(reference_engine, ratio):
+    eng = reference_engine("qwen3", num_hidden_layers=5)
+    prompt = composite(eng, seed=3)[1:]                     # [A, text, B, question]: A opens the prompt as alone
+    out = blend_prefill(eng.model, flat(prompt), pieces_of(prompt), Blend(ratio, "adaptive"))
+    assert out.chunk_reuse[0].recomputed == 0
+    assert out.chunk_reuse[2].recomputed == num_kept(ratio, 11 + 13)
+
+
+@pytest.mark.parametrize("policy", ["kv-deviation", "chunk-heads", "adaptive"])
 def test_a_prompt_ending_in_a_chunk_computes_its_last_token_as_a_fixed_row(reference_engine, policy):
     eng = reference_engine("llama", num_hidden_layers=5)
     prompt = composite(eng, seed=4)[:4]                     # [text, A, text, B]: B's last token ends the prompt
@@ -194,7 +236,7 @@ def test_a_prompt_ending_in_a_chunk_computes_its_last_token_as_a_fixed_row(refer
     moved = placed(eng, prompt)
     assert fresh_rows(out, moved, 4) == [30]
     out = blend_prefill(eng.model, flat(prompt), pieces_of(prompt), Blend(0.05, policy))
-    selected = num_kept(0.05, 23) if policy == "kv-deviation" else num_kept(0.05, 11) + num_kept(0.05, 13)
+    selected = num_kept(0.05, 23) if policy != "chunk-heads" else num_kept(0.05, 11) + num_kept(0.05, 13)
     assert sum(r.recomputed for r in out.chunk_reuse if r.chunk) == selected + 1
 
 
@@ -203,6 +245,16 @@ def test_a_plain_prompt_has_nothing_to_blend(reference_engine):
     plain = flat(composite(eng, seed=2))
     out = eng.generate(plain, GREEDY, reuse="blend")[0]
     assert out.token_ids == eng.generate(plain, GREEDY)[0].token_ids and out.chunk_reuse is None
+
+
+def test_apportioned_scores_each_chunks_rows_by_its_deviation_sum_over_odd_divisors():
+    dev = torch.tensor([4.0, 4.0, 4.0, 4.0, 1.0, 3.0, 0.0, 0.0])
+    groups = torch.tensor([1, 1, 1, 1, 4, 4, 7, 7])
+    # group 1: S = 16 over 1, 3, 5, 7; group 4: S = 4, its 3.0 first; group 7: nothing moved
+    want = [16, 16 / 3, 16 / 5, 16 / 7, 4 / 3, 4, 0, 0]
+    assert apportioned(dev, groups).tolist() == pytest.approx(want)
+    # the 5 highest go 4 to group 1 and 1 to group 4 (5 * 16 / 20 and 5 * 4 / 20)
+    assert top_candidates(apportioned(dev, groups), torch.arange(8), 5).tolist() == [0, 1, 2, 3, 5]
 
 
 def test_top_candidates_breaks_ties_toward_the_lower_position():
@@ -221,6 +273,7 @@ def test_k_of_r_rounds_half_up_and_caps_at_n(ratio, n, k):
 @pytest.mark.parametrize("make, match", [
     (lambda: Blend(1.5), "got 1.5"), (lambda: Blend(-0.1), "got -0.1"), (lambda: Blend(True), "got True"),
     (lambda: Blend(0.2, "cacheblend"), "got 'cacheblend'"), (lambda: "fuzzy", "got 'fuzzy'"),
+    (lambda: Blend(1.01, "adaptive"), "got 1.01"), (lambda: Blend(-0.5, "adaptive"), "got -0.5"),
 ])
 def test_bad_blend_input_is_refused_by_name(reference_engine, make, match):
     eng = reference_engine("qwen3")

@@ -17,7 +17,7 @@ from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
-from chunkwise.chunks import Blend, Chunk, ChunkReuse, blend_params, check_reuse
+from chunkwise.chunks import DEFAULT_BLEND, Blend, Chunk, ChunkReuse, blend_params, check_reuse
 from chunkwise.engine import Engine, SamplingParams
 from chunkwise.engine_config import EngineConfig
 from chunkwise.requests import validate_requests
@@ -465,11 +465,29 @@ def test_max_pinned_fraction_outside_0_1_is_refused_by_name(ckpt, value):
         EngineConfig(ckpt, max_pinned_fraction=value)
 
 
-@pytest.mark.parametrize("reuse, expected", [("exact", None), ("blend", Blend()), (Blend(0.3, "chunk-heads"),
-                                                                                    Blend(0.3, "chunk-heads"))])
+@pytest.mark.parametrize("reuse, expected", [("exact", None), ("blend", DEFAULT_BLEND), (Blend(0.3, "chunk-heads"),
+                                                                                         Blend(0.3, "chunk-heads"))])
 def test_blend_params_resolves_the_reuse_modes(reuse, expected):
     assert blend_params(reuse) == expected
     assert check_reuse(reuse) == ("exact" if expected is None else expected)
+
+
+def test_the_bare_blend_is_the_one_default_configuration_wherever_it_is_named(monkeypatch):
+    """Setting chunkwise.chunks.DEFAULT_BLEND re-points "blend" for the engines and the server's extension, whose
+    fields override it one by one."""
+    from chunkwise.serve.app import _reuse
+    from chunkwise.serve.protocol import ReuseOptions
+
+    class Blends:   # the server's engine, as _reuse asks it
+        def check_blend(self, blend, index):
+            assert isinstance(blend, Blend)
+
+    chosen = Blend(0.4, "adaptive")
+    monkeypatch.setattr("chunkwise.chunks.DEFAULT_BLEND", chosen)
+    assert blend_params("blend") is chosen and check_reuse("blend", 2) is chosen
+    assert _reuse(Blends(), ReuseOptions(reuse="blend")) == chosen
+    assert _reuse(Blends(), ReuseOptions(reuse="blend", recompute_ratio=0.1)) == Blend(0.1, "adaptive")
+    assert _reuse(Blends(), ReuseOptions(reuse="blend", policy="chunk-heads")) == Blend(0.4, "chunk-heads")
 
 
 @pytest.mark.parametrize("reuse", ["fuzzy", "", None, 0.15, ("blend",)])
@@ -497,6 +515,6 @@ def test_blend_takes_ratios_in_0_1_and_is_frozen(ratio):
 
 @pytest.mark.parametrize("policy", ["cacheblend", "", None, "KV-deviation"])
 def test_blend_refuses_an_unknown_policy_by_name(policy):
-    with pytest.raises(ValueError, match=re.escape(f"policy must be one of ['kv-deviation', 'chunk-heads'], "
+    with pytest.raises(ValueError, match=re.escape(f"policy must be one of ['kv-deviation', 'chunk-heads', 'adaptive'], "
                                                    f"got {policy!r}")):
         Blend(0.1, policy)

@@ -39,6 +39,12 @@ def test_bad_request_raises_value_error_naming_the_value(engine, prompt, chunks,
     assert not engine.has_unfinished()
 
 
+@pytest.mark.parametrize("t", [5e-324, 1e-6])
+def test_a_temperature_that_vanishes_in_float32_generates_the_greedy_tokens(engine, solo, t):
+    out = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=6, ignore_eos=True, temperature=t))[0]
+    assert out.finish_reason == "length" and out.token_ids == solo[0]
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda e: e.generate(42, GREEDY), "prompts must be .* got int 42"),
     (lambda e: e.generate(None, GREEDY), "prompts must be .* got NoneType None"),

@@ -351,6 +351,8 @@ VALIDATING_FUNCTIONS = {"chunkwise/reference/engine.py": {"__init__", "register_
                         "chunkwise/engine/llm_engine.py": {"__init__", "register_chunk", "_check_pin_cap", "unpin",
                                                            "add_request"}}
 NOT_LIMITS = {
+    ("chunkwise/sampling.py", "greedy", "self.temperature < GREEDY_TEMPERATURE"):
+        "which sampler a valid temperature takes (greedy below the threshold), not its admission",
     ("chunkwise/sampling.py", "sampling_probs", "params.top_p < 1.0"): "sampling: whether top-p cuts at all",
     ("chunkwise/sampling.py", "sampling_probs", "torch.softmax(sorted_logits, dim=-1).cumsum(-1) <= 1 - params.top_p"):
         "sampling: the top-p cut itself",

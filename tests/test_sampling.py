@@ -13,7 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from chunkwise.sampling import SamplingParams, make_generator, sample, sampling_probs, token_logprobs
+from chunkwise.sampling import GREEDY_TEMPERATURE, SamplingParams, make_generator, sample, sampling_probs, token_logprobs
 
 pytestmark = pytest.mark.correctness
 
@@ -103,6 +103,19 @@ def test_top_k_keeps_k_tokens_without_ties():
 def test_greedy_takes_the_first_maximum():
     logits = torch.tensor([0.0, 3.0, 1.0, 3.0])
     assert sample(logits, SamplingParams(temperature=0.0), None) == 1
+
+
+@pytest.mark.parametrize("t, greedy", [(0.0, True), (5e-324, True), (1e-6, True), (GREEDY_TEMPERATURE, False),
+                                       (0.5, False)])
+def test_a_temperature_below_the_greedy_threshold_is_greedy_on_both_sides(t, greedy):
+    """As in vLLM: a tiny positive temperature (5e-324 is 0.0 once in float32) is greedy, never a division by it."""
+    params = SamplingParams(temperature=t)
+    assert params.greedy is greedy
+    logits = torch.tensor([0.0, 30.0, 1.0, 29.9])
+    if greedy:
+        assert sample(logits, params, None) == 1
+    else:
+        assert torch.isfinite(sampling_probs(logits, params)).all()
 
 
 # --- logprobs -------------------------------------------------------------------------------------------

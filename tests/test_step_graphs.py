@@ -216,7 +216,8 @@ def test_mixed_steps_replay_graphs_with_the_eager_engines_bits_in_deterministic_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("blend", [Blend(0.3), Blend(0.25, "chunk-heads")], ids=["kv-deviation", "chunk-heads"])
+@pytest.mark.parametrize("blend", [Blend(0.3), Blend(0.25, "chunk-heads"), Blend(0.3, "adaptive")],
+                         ids=["kv-deviation", "chunk-heads", "adaptive"])
 def test_blended_prefills_replay_tail_graphs_with_the_eager_engines_bits_in_deterministic_mode(blend):
     """On the GPU, a blended prefill's layers after its check layers replay a tail graph (counted in the runner's
     launches), and a deterministic bf16 engine's tokens and K/V equal an eager one's bit for bit."""

@@ -16,6 +16,8 @@ against one rank's; tests/test_tensor_parallel_modes.py covers split-KV, cascade
 from __future__ import annotations
 
 import math
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ from parity_report import assert_same_tokens, kv_mismatch
 
 import chunkwise.reference
 from chunkwise.checkpoints import tiny_checkpoint
+from chunkwise.engine_config import EngineConfig
 from chunkwise.model_config import ModelConfig
 from chunkwise.engine import Engine, SamplingParams
 from chunkwise.engine.model_runner import ModelRunner
@@ -153,15 +156,38 @@ def test_argmax_over_the_vocabulary_slices_takes_nan_and_infinities_as_torch_arg
         assert got.tolist() == torch.argmax(full, -1).tolist()
 
 
-def test_the_custom_all_reduce_asked_for_on_cpu_is_refused_with_a_warning():
-    """It is opt-in: asked for where it cannot run (here: not a CUDA device), a warning says why, and every
-    all-reduce stays with the process group."""
-    from datetime import timedelta
+def _two_rank_tp(device: str) -> TensorParallel:
     cfg = ModelConfig.from_dict(dict(model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=32,
                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=8))
-    tp = TensorParallel(0, 2, cfg, torch.device("cpu"))
-    with pytest.warns(UserWarning, match="custom all-reduce off, NCCL serves every all-reduce: device cpu is not"):
-        assert tp.with_custom_all_reduce(torch.float32, timedelta(seconds=1)).custom is None
+    return TensorParallel(0, 2, cfg, torch.device(device))
+
+
+def test_the_custom_all_reduce_is_on_by_default_and_built_unless_opted_out():
+    """On by default (as vLLM's and SGLang's on NVLink GPUs); custom_all_reduce=False keeps NCCL for every sum."""
+    from chunkwise.engine.executor.workers import with_configured_all_reduce
+    tp = SimpleNamespace(with_custom_all_reduce=lambda dtype, timeout: "built")
+    assert EngineConfig("m").custom_all_reduce is True
+    assert with_configured_all_reduce(tp, EngineConfig("m")) == "built"
+    assert with_configured_all_reduce(tp, EngineConfig("m", custom_all_reduce=False)) is tp
+
+
+def test_the_custom_all_reduce_is_off_on_cpu_without_a_warning():
+    """Off CUDA (gloo) it never runs and is never expected to: every all-reduce stays with the process group, and
+    the default says nothing."""
+    from datetime import timedelta
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _two_rank_tp("cpu").with_custom_all_reduce(torch.float32, timedelta(seconds=1)).custom is None
+
+
+def test_the_custom_all_reduce_off_on_gpus_that_cannot_run_it_says_why(monkeypatch):
+    """On CUDA devices without it (no peer access or NVLink atomics, N outside 2..8), a warning names the reason
+    and NCCL serves every all-reduce."""
+    from datetime import timedelta
+    import chunkwise.engine.distributed.tensor_parallel as tensor_parallel
+    monkeypatch.setattr(tensor_parallel, "unusable", lambda rank, size, device: "cuda:0 cannot access cuda:1's memory")
+    with pytest.warns(UserWarning, match="custom all-reduce off, NCCL serves every all-reduce: cuda:0 cannot access"):
+        assert _two_rank_tp("cuda:0").with_custom_all_reduce(torch.bfloat16, timedelta(seconds=1)).custom is None
 
 
 @pytest.mark.parametrize("max_rows, budget, max_model_len", [

@@ -222,7 +222,7 @@ class Model:
         workspace = self._split_workspace(inp, kv_caches[0][0]) if split_decodes else None
         prefill_workspace = self._prefill_workspace(inp, kv_caches[0][0], selecting=plan is not None)
         if plan is not None:
-            placed_rows = plan.placed
+            placed_rows, groups = plan.placed, plan.groups
             kept = torch.arange(placed_rows.shape[0], device=h.device)
         # A sublayer's output h joins the residual stream inside the next norm's kernel. Gemma normalizes h
         # first (post-attention / post-FF norm): that norm (`pending` for the post-FF one) goes in the same kernel.
@@ -237,8 +237,9 @@ class Model:
                 fresh = self._kv_rows(kv_caches[i], inp.slot_mapping)
                 (fk, fv), (pk, pv) = fresh, placed   # p promotes to float32 exactly: one launch fewer each
                 deviation = (fk.float() - pk).square().sum((1, 2)) + (fv.float() - pv).square().sum((1, 2))
-                keep = select_rows(check, deviation, placed_rows)
+                keep = select_rows(check, deviation, placed_rows, groups)
                 q, residual, placed_rows, kept = q[keep], residual[keep], placed_rows[keep], kept[keep]
+                groups = groups[keep] if groups is not None else None
                 rope = [(cos[keep], sin[keep]) for cos, sin in rope]
                 inp = replace(inp, input_ids=inp.input_ids[keep], positions=inp.positions[keep],
                               slot_mapping=inp.slot_mapping[keep], query_start_loc=check.query_start_loc)

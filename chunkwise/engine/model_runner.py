@@ -33,7 +33,7 @@ from chunkwise.kernels.tiling import cdiv
 from chunkwise.engine.cuda_graphs import StepGraphs
 from chunkwise.engine.host_step import ALIGN, HostStep, Launched, fill_pending, synthetic_step
 from chunkwise.engine.kv_cache import KVCache
-from chunkwise.engine.model import Model, StepInputs
+from chunkwise.engine.model import PLANNED_SPLIT_ROWS, PREFILL_SPLIT_ROWS, Model, StepInputs
 from chunkwise.engine.page_tables import PageTables
 from chunkwise.engine.distributed.tensor_parallel import TensorParallel
 from chunkwise.engine.row_plan import HostRows, RowInputs, RowSelection, step_rows
@@ -181,11 +181,14 @@ class ModelRunner:
 
     def _upload_rows(self, plan: HostRows) -> RowInputs:
         layers = sorted(plan.checks)
-        (src, dst, deltas, placed), _ = self._packed([plan.src_slots, plan.dst_slots, plan.deltas, plan.placed],
-                                                     torch.int64)
+        grouped = plan.groups is not None
+        (src, dst, deltas, placed, *groups), _ = self._packed(
+            [plan.src_slots, plan.dst_slots, plan.deltas, plan.placed] + ([plan.groups] if grouped else []),
+            torch.int64)
         qsls, _ = self._packed([plan.checks[i][1] for i in layers], torch.int32)
         return RowInputs(src, dst, deltas, placed.bool(),
-                         {i: RowSelection(plan.checks[i][0], q) for i, q in zip(layers, qsls)})
+                         {i: RowSelection(plan.checks[i][0], q) for i, q in zip(layers, qsls)},
+                         groups=groups[0] if grouped else None)
 
     def _packed(self, arrays, dtype):
         """Device views of `arrays` packed into one buffer (one host-to-device copy); each view starts
@@ -279,6 +282,8 @@ class ModelRunner:
         prefills = [[], [1], [16], [17], [1] * 16, [1] * 15 + [2], [1] * 16 + [16], [1] * 17]
         if self.model.reduce_in_norm:
             prefills += self._above_custom_all_reduce()
+        if self.device.type == "cuda":   # the interpreter compiles nothing: on CPU they would only cost time
+            prefills += self._one_pass_prefills()
         with torch.inference_mode():
             for chunks in prefills:
                 for d in (0, 1, 16, 17):
@@ -289,6 +294,22 @@ class ModelRunner:
                         sum(chunks)))), self.kv.layers)
             self.model.warm_up_deterministic(self.engine_config.max_num_batched_tokens)
         torch.cuda.synchronize(self.device)
+
+    def _one_pass_prefills(self) -> list[list[int]]:
+        """Prefills of more rows than split their attention's context (PREFILL_SPLIT_ROWS, and PLANNED_SPLIT_ROWS
+        for a row plan's), one per class of prefill sequences (1, a multiple of 16, neither) that the step budget
+        and max_model_len allow: their one-pass attention launch specialises on the sequences' count, and the
+        warm-up's small steps all split (a TP=1 bench compiled that launch inside its timed run)."""
+        budget, longest = self.engine_config.max_num_batched_tokens, self.engine_config.max_model_len
+        out = []
+        for split_rows in (PREFILL_SPLIT_ROWS, PLANNED_SPLIT_ROWS):
+            need = -(-(split_rows + 1) // longest)   # the fewest sequences holding that many rows
+            other = max(need, 2) + (max(need, 2) % 16 == 0)
+            for n in ([1] if need == 1 else []) + [-(-need // 16) * 16, other]:
+                t = max(split_rows + 1, n)
+                if t <= budget:
+                    out.append([t // n + (i < t % n) for i in range(n)])
+        return out
 
     def _above_custom_all_reduce(self) -> list[list[int]]:
         """Prefills of more rows than the custom all-reduce holds, one per token class (a multiple of 16 or not)

@@ -10,6 +10,9 @@ A prefill's plan over its R new rows:
 - at each of `check_layers`, the computed rows that are not placed all go on, and of the computed placed rows the
   `keep[c]` whose fresh K/V deviate most from their placed K/V (ties to the lower row); the rest stop there. The
   selection runs on the device (`select_rows`) from counts fixed on the host, so the host never waits for it.
+- a plan with `groups` (blend's "adaptive") shares each check layer's places among its groups instead: a group
+  whose placed rows still computed deviate by S in all scores S / (2m + 1) at its m-th most deviating row
+  (`group_scores`), and the `keep[c]` highest scores are kept (Sainte-Laguë apportionment, ties to the lower row).
 
 A step combines its prefills' plans (`step_rows`, on the host) into flat-batch arrays and, per check layer, the
 rows' segments and the prefill query_start_loc after it: fixed shapes per (rows, kept rows), the form CUDA graphs
@@ -34,6 +37,8 @@ class RowPlan:
     deltas: np.ndarray               # int64 [n placed]: its K re-rotation, in positions
     check_layers: tuple[int, ...] = ()   # ascending
     keep: tuple[int, ...] = ()       # computed placed rows kept after each check layer, non-increasing
+    groups: np.ndarray | None = None   # int64 [R]: each placed row's group (>= 0; -1 elsewhere) when the check
+    #                                    layers apportion their places among groups; None: the rows select as one
 
     def __post_init__(self):
         if len(self.computed) != len(self.placed):
@@ -46,6 +51,10 @@ class RowPlan:
         if len(self.check_layers) != len(self.keep):
             raise ValueError(f"a row plan's check layers {self.check_layers} and keep counts {self.keep} differ "
                              f"in length")
+        if self.groups is not None and (len(self.groups) != len(self.computed)
+                                        or not np.array_equal(self.groups >= 0, self.placed)):
+            raise ValueError(f"a row plan's groups {self.groups.tolist()!r:.80} must give each of its "
+                             f"{len(self.computed)} rows a group >= 0 where placed, -1 elsewhere")
 
     @property
     def num_fixed(self) -> int:
@@ -62,6 +71,7 @@ class HostRows:
     placed: np.ndarray        # bool [T]: the step's rows (layer-0 layout) that are placed
     checks: dict[int, tuple[list[Segment], np.ndarray]] = field(default_factory=dict)  # layer -> (segments, qsl)
     first_rows: dict[int, int] = field(default_factory=dict)   # seq id -> its first row (layer-0 layout)
+    groups: np.ndarray | None = None   # int64 [T] (layer-0 layout): step-wide groups of plans with groups, -1 else
 
     @classmethod
     def in_place(cls, num_rows: int) -> HostRows:
@@ -87,11 +97,35 @@ class RowInputs:
     placed: torch.Tensor             # bool [T] (layer-0 layout)
     checks: dict[int, RowSelection]  # layer index -> its selection
     kept: torch.Tensor | None = None   # int64 [T']: the rows (layer-0 layout) computed at the last layer, once run
+    groups: torch.Tensor | None = None   # int64 [T] (layer-0 layout): HostRows.groups
 
 
-def select_rows(check: RowSelection, deviation: torch.Tensor, placed: torch.Tensor) -> torch.Tensor:
+def group_scores(deviation: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """float32 [T]: a grouped row's (groups int64 [T], >= 0) score S / (2m + 1), S its group's deviation sum
+    (accumulated in float64, rounded to float32), m its rank in its group by deviation (0 the largest, ties to the
+    lower row); an ungrouped row's (-1) its deviation (float32 [T]). Fixed-shape sorts and scans: the host never
+    waits for it."""
+    key = torch.where(groups >= 0, groups, torch.iinfo(torch.int64).max)   # ungrouped rows sort last
+    by_dev = torch.sort(deviation, descending=True, stable=True).indices
+    order = by_dev[torch.sort(key[by_dev], stable=True).indices]         # by group, then deviation, then row
+    sorted_key = key[order]
+    first = torch.searchsorted(sorted_key, sorted_key)                  # each row's group's first place in order
+    last = torch.searchsorted(sorted_key, sorted_key, right=True)
+    sums = torch.cat([deviation.new_zeros(1, dtype=torch.float64), torch.cumsum(deviation[order].double(), 0)])
+    rank = torch.arange(deviation.shape[0], device=deviation.device) - first
+    quotient = (sums[last] - sums[first]).float() / (2 * rank + 1).float()
+    score = torch.empty_like(deviation)
+    score[order] = torch.where(groups[order] >= 0, quotient, deviation[order])
+    return score
+
+
+def select_rows(check: RowSelection, deviation: torch.Tensor, placed: torch.Tensor,
+                groups: torch.Tensor | None = None) -> torch.Tensor:
     """The rows kept at a check layer, in order: whole segments as they are; in a selecting one, its rows that are
-    not placed and its `keep - those` placed rows of largest deviation (float32 [T]), ties to the lower row."""
+    not placed and its `keep - those` placed rows of largest deviation (float32 [T]), ties to the lower row; with
+    `groups` (int64 [T]), of largest `group_scores` where grouped."""
+    if groups is not None:
+        deviation = group_scores(deviation, groups)
     score = torch.where(placed, deviation, torch.full_like(deviation, torch.inf))
     parts = []
     for first, rows, keep in check.segments:
@@ -111,13 +145,19 @@ def step_rows(plans: list[RowPlan | None], n: np.ndarray, slots: np.ndarray, num
     ends = np.cumsum(n)
     keep0 = np.ones(int(ends[-1]), bool)
     placed = np.zeros(int(ends[-1]), bool)
+    groups = np.full(int(ends[-1]), -1, np.int64) if any(p is not None and p.groups is not None for p in plans) \
+        else None
     src, dst, deltas, entries = [], [], [], []
+    num_groups = 0
     for e, plan in enumerate(plans):
         if plan is None:
             continue
         lo = int(ends[e] - n[e])
         keep0[lo:lo + n[e]] = plan.computed
         placed[lo:lo + n[e]] = plan.placed
+        if plan.groups is not None and plan.placed.any():   # step-wide ids: each plan's groups after the last's
+            groups[lo:lo + n[e]] = np.where(plan.placed, plan.groups + num_groups, -1)
+            num_groups += int(plan.groups.max()) + 1
         src.append(plan.src_slots)
         dst.append(slots[lo:lo + n[e]][plan.placed])
         deltas.append(plan.deltas)
@@ -142,4 +182,5 @@ def step_rows(plans: list[RowPlan | None], n: np.ndarray, slots: np.ndarray, num
         qsl = np.concatenate(([0], np.cumsum(counts[:num_prefill]))).astype(np.int32)
         checks[layer] = (segments, qsl)
     return keep0, counts, HostRows(np.concatenate(src), np.concatenate(dst), np.concatenate(deltas),
-                                   placed[keep0], checks, {seq_ids[e]: int(firsts[e]) for e, _ in entries})
+                                   placed[keep0], checks, {seq_ids[e]: int(firsts[e]) for e, _ in entries},
+                                   None if groups is None else groups[keep0])

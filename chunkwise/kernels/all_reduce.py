@@ -21,8 +21,13 @@ A program starts by drawing a ticket t: it serves call e = t // P + 1 and owns s
   1. pushes its rows of x into every peer's recv[e % 2, this rank];
   2. after a CTA barrier, releases e into every peer's flags[this rank, s] (system scope: the barrier orders the
      block's pushes before the release, as in PyTorch's symmetric-memory and vLLM's custom all-reduce kernels);
-  3. waits (acquire) until its own flags[r, s] >= e for every peer r; every 1024 reads it polls the abort word and
-     the clock, and gives up when asked to or after timeout_ns, so a dead or stuck peer never hangs the GPU.
+  3. waits (acquire) until its own flags[r, s] >= e for every peer r; every 1024 reads it polls the clock, and
+     once the wait has lasted host_poll_after_ns the abort word too, and gives up when asked to or after
+     timeout_ns, so a dead or stuck peer never hangs the GPU. Not the abort word from the start: a read of host
+     memory can take milliseconds, and a waiter inside one sees its peer's flag that much late; it then reaches
+     the next call late, where its peer waits and polls in turn, and the ranks took turns waiting a poll's
+     length at every call for as long as steps ran back to back (the stall of issue 51, reproduced with this
+     kernel alone by benchmarks/all_reduce_idle.py; docs/BENCHMARKS.md, Tensor parallelism).
      A call that gives up marks control[1] and every rank's give-up word for its rank; from then on no call of
      any rank waits (each reads its give-up words first) and each marks its control[1]: the host, which reads it
      after every step, raises instead of using sums that a rank computed without its peers' parts;
@@ -45,7 +50,8 @@ import triton.language as tl
 from chunkwise.kernels.fused_norm import add_residual, add_rms_norm_ref, store_norm
 from chunkwise.kernels.tiling import block_rows, cast, next_power_of_2, num_warps_for
 
-POLL_EVERY = tl.constexpr(1024)   # flag reads between polls of the abort word and the clock
+POLL_EVERY = tl.constexpr(1024)   # flag reads between polls of the clock (and, in long waits, the abort word)
+HOST_POLL_AFTER_NS = 20_000_000   # a wait polls the abort word in host memory only after this long (docstring)
 
 
 @triton.jit
@@ -53,7 +59,7 @@ def _clock_ns():
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
 
-@triton.jit(do_not_specialize=["rows", "rank", "read_delay_ns"])   # one binary for every rank and batch
+@triton.jit(do_not_specialize=["rows", "rank", "read_delay_ns", "host_poll_after_ns"])   # one binary for all
 def _all_reduce_kernel(
     x_ptr,            # [rows, hidden] this rank's partial sums
     res_ptr,          # [rows, hidden] residual stream, read if NORM
@@ -65,6 +71,7 @@ def _all_reduce_kernel(
     tickets_ptr,      # int64 [1]: programs started, over all calls
     control_ptr,      # int64 [5] pinned host memory: [abort asked, gave up, call, peer, peer's call]
     rows, hidden, cap, rank, eps, timeout_ns,
+    host_poll_after_ns,   # a wait reads the abort word (host memory) only once it has lasted this long
     read_delay_ns,    # 0; tests hold one rank's reads back, as a descheduled peer would be (an argument, not a
                       # constexpr: a second binary compiled while a simulated peer spins on the same GPU stalls it)
     WORLD: tl.constexpr, PROGRAMS: tl.constexpr, NORM: tl.constexpr, PLUS_ONE: tl.constexpr,
@@ -107,9 +114,11 @@ def _all_reduce_kernel(
             while (seen < e) & (stop == 0):
                 spins += 1
                 if spins % POLL_EVERY == 0:
-                    aborted = tl.load(control_ptr, volatile=True) != 0
-                    late = _clock_ns() - start > timeout_ns
-                    stop = (aborted | late).to(tl.int32)
+                    waited = _clock_ns() - start
+                    aborted = waited < 0   # False
+                    if waited >= host_poll_after_ns:   # see the module docstring: host reads stall a short wait
+                        aborted = tl.load(control_ptr, volatile=True) != 0
+                    stop = (aborted | (waited > timeout_ns)).to(tl.int32)
                     if stop != 0:   # giving up: every rank learns it, the host where it stood
                         for q in tl.static_range(WORLD):
                             peer_flags = tl.load(peer_flags_ptr + q).to(tl.pointer_type(tl.int64))
@@ -166,6 +175,7 @@ class PeerBuffers:
         self.block_n = next_power_of_2(hidden)
         self.block_r = block_rows(self.block_n, device)   # fixed (the slot argument); fused_norm's, so its bits
         self.num_warps = num_warps_for(self.block_r * self.block_n)
+        self.host_poll_after_ns = HOST_POLL_AFTER_NS   # 0: every poll reads the abort word (the stall's setting)
         self.read_delay_ns = 0   # tests only: this rank waits so long between its flags and its reads
 
     def abort(self) -> None:
@@ -202,7 +212,7 @@ def push_all_reduce(x: torch.Tensor, buffers: PeerBuffers, out: torch.Tensor | N
     _all_reduce_kernel[(b.programs,)](
         x, residual if norm else x, weight if norm else x, out, residual_out if norm else out,
         b.recv_ptrs, b.flag_ptrs, b.tickets, b.control,
-        x.shape[0], x.shape[1], b.cap, b.rank, eps, b.timeout_ns, b.read_delay_ns,
+        x.shape[0], x.shape[1], b.cap, b.rank, eps, b.timeout_ns, b.host_poll_after_ns, b.read_delay_ns,
         WORLD=b.world, PROGRAMS=b.programs, NORM=norm, PLUS_ONE=plus_one, BLOCK_R=b.block_r, BLOCK_N=b.block_n,
         num_warps=b.num_warps, enable_fp_fusion=False,
     )

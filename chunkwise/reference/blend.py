@@ -12,6 +12,12 @@ recomputed, layer by layer, over a cache mixing fresh and moved K/V:
 - "kv-deviation" computes every row at layer 0 and, at check layers 1..C (C = min(3, layers - 1)), keeps the
   k(r_l) candidates whose fresh K/V deviate most from their moved ones (r_l = min(1, r (1 + (C - l) / C)), ties
   to the lower position); only kept rows attend and go on. r = 0 computes no candidate at all.
+- "adaptive" keeps the same k(r_l) at the same layers, shared out among the chunk pieces by how far each one's
+  K/V moved: a piece's candidates still kept have deviation sum S (accumulated in float64, rounded to float32),
+  its m-th most deviating one (m = 0, 1, ..; ties to the lower position) scores S / (2m + 1), and the k(r_l)
+  highest scores are kept (ties to the lower position). That is Sainte-Laguë's apportionment: each piece gets
+  about k(r_l) S / sum(S) places, rounded to nearest by one common divisor, never more than it has candidates,
+  and the places add up to k(r_l) exactly; within a piece its most deviating candidates take them.
 
 A computed row at position p attends to every position <= p (within the window) of the cache as it stands at
 that layer: fresh K/V where computed there, moved ones otherwise. r = 1 (either policy) recomputes [c0, L)
@@ -57,6 +63,19 @@ def top_candidates(deviation: torch.Tensor, positions: torch.Tensor, k: int) -> 
     return torch.sort(positions[order[:k]]).values
 
 
+def apportioned(deviation: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """"adaptive"'s score of each candidate: S / (2m + 1), S its group's deviation sum (float64, then float32), m
+    its rank in its group by deviation (0 the largest, ties to the lower position). deviation float32 [n], groups
+    int64 [n] (a chunk piece's index), positions ascending."""
+    score = torch.empty_like(deviation)
+    for g in torch.unique(groups):
+        idx = torch.nonzero(groups == g).squeeze(1)
+        total = deviation[idx].double().sum().float()
+        order = torch.sort(deviation[idx], descending=True, stable=True).indices
+        score[idx[order]] = total / torch.arange(1, 2 * len(idx), 2, dtype=torch.float32, device=deviation.device)
+    return score
+
+
 def placed_kv(model: ReferenceModel, k: torch.Tensor, v: torch.Tensor, start: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """A chunk's isolated k, v [layers, n, K, D] moved to positions start..: K rotated by `start` with each
@@ -98,10 +117,12 @@ def blend_prefill(model: ReferenceModel, token_ids: list[int], pieces: tuple[Pie
     v_cache = torch.zeros(shape, dtype=model.dtype, device=device)
     candidate = torch.zeros(n_tokens, dtype=torch.bool, device=device)     # [L]
     heads = torch.zeros(n_tokens, dtype=torch.bool, device=device)         # [L] chunk-heads' selection
+    group = torch.full((n_tokens,), -1, dtype=torch.int64, device=device)  # [L] each chunk token's piece
     start = 0
-    for piece in pieces:
+    for j, piece in enumerate(pieces):
         end = start + piece.num_tokens
         if piece.chunk is not None:
+            group[start:end] = j
             k_iso, v_iso = isolated(piece.chunk)
             k_cache[:, start:end], v_cache[:, start:end] = placed_kv(model, k_iso, v_iso, start)
             stored = start + (piece.num_tokens // page_size * page_size if page_size else piece.num_tokens)
@@ -123,8 +144,8 @@ def blend_prefill(model: ReferenceModel, token_ids: list[int], pieces: tuple[Pie
         kept = torch.zeros_like(candidate)
     else:
         kept = candidate.clone()
-    num_checks = (check_layers(cfg.num_layers) if blend.policy == "kv-deviation" and r > 0 and selection is None
-                  else 0)
+    num_checks = (check_layers(cfg.num_layers) if blend.policy in ("kv-deviation", "adaptive") and r > 0
+                  and selection is None else 0)
 
     x = model.embed(ids)                                                   # [L, hidden]; computed rows only
     for layer in range(cfg.num_layers):
@@ -136,8 +157,9 @@ def blend_prefill(model: ReferenceModel, token_ids: list[int], pieces: tuple[Pie
             dev = ((k_cache[layer, cand].float() - placed_k[layer, cand].float()) ** 2).sum((1, 2)) + \
                   ((v_cache[layer, cand].float() - placed_v[layer, cand].float()) ** 2).sum((1, 2))
             keep = num_kept(check_ratio(r, layer, num_checks), int(candidate.sum()))
+            score = apportioned(dev, group[cand]) if blend.policy == "adaptive" else dev
             kept = torch.zeros_like(kept)
-            kept[top_candidates(dev, cand, min(keep, cand.numel()))] = True
+            kept[top_candidates(score, cand, min(keep, cand.numel()))] = True
             attending = (fixed | kept)[rows]                               # [S] which computed rows go on
             rows, q = rows[attending], q[:, attending]
         x[rows] = model.attend_rows(x[rows], q, k_cache[layer].transpose(0, 1), v_cache[layer].transpose(0, 1),

@@ -24,14 +24,14 @@ import json
 import time
 from concurrent.futures import Future
 from json.encoder import encode_basestring_ascii as _json_str   # a str as json.dumps writes it (ensure_ascii)
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from chunkwise.chunks import BLEND_POLICIES, Blend, Chunk
+from chunkwise.chunks import BLEND_POLICIES, Blend, Chunk, blend_params
 from chunkwise.limits import LIMIT
 from chunkwise.serve.chat import has_chunk_parts, splice_chat
 from chunkwise.serve.client import EngineClient
@@ -330,7 +330,7 @@ def _reuse(engine, ext: ReuseOptions | None) -> str | Blend:
         return "exact"
     given = {k: getattr(ext, k) for k in ("recompute_ratio", "policy") if getattr(ext, k) is not None}
     try:
-        blend = Blend(**given)
+        blend = replace(blend_params("blend"), **given)   # the fields given override DEFAULT_BLEND's
     except ValueError as e:
         bad_policy = ext.policy is not None and ext.policy not in BLEND_POLICIES
         raise bad_request(str(e), "chunkwise.policy" if bad_policy else "chunkwise.recompute_ratio") from None

@@ -110,8 +110,8 @@ class ReuseOptions(BaseModel):
     """A chat's `chunkwise` extension (its chunks are content parts): how cached K/V may be reused."""
     model_config = ConfigDict(extra="forbid", strict=True)
     reuse: Literal["exact", "blend"] = "exact"
-    recompute_ratio: float | None = None     # blend only; default Blend()'s
-    policy: str | None = None                # blend only: "kv-deviation" or "chunk-heads"; default Blend()'s
+    recompute_ratio: float | None = None     # blend only; default DEFAULT_BLEND's
+    policy: str | None = None                # blend only: "kv-deviation", "chunk-heads" or "adaptive"; default DEFAULT_BLEND's
 
 
 class ChunkwiseOptions(ReuseOptions):

@@ -43,6 +43,7 @@ def plan_blend(params: Blend, pieces: tuple[Piece, ...], start: int, pool, num_l
     rows = total - start
     candidate = np.zeros(rows, bool)
     src = np.full(rows, -1, np.int64)
+    group = np.full(rows, -1, np.int64)     # "adaptive": each candidate's piece
     delta = np.zeros(rows, np.int64)
     head = np.zeros(rows, bool)
     for j, p in enumerate(pieces):
@@ -57,6 +58,7 @@ def plan_blend(params: Blend, pieces: tuple[Piece, ...], start: int, pool, num_l
         candidate[idx] = True
         src[idx] = pages[off[inside] // ps] * ps + off[inside] % ps
         delta[idx] = first
+        group[idx] = j
         head[idx] = off[inside] < math.floor(params.recompute_ratio * p.num_tokens + 0.5)
     n = int(candidate.sum())
     layers: tuple[int, ...] = ()
@@ -71,5 +73,6 @@ def plan_blend(params: Blend, pieces: tuple[Piece, ...], start: int, pool, num_l
         kept = tuple(np.minimum.accumulate([num_kept(x, n) for x in check_ratios(params.recompute_ratio,
                                                                                    num_layers)]).tolist())
     piece_rows = np.repeat(np.arange(len(pieces)), lengths)[start:]
-    return BlendJob(params, start, RowPlan(computed, candidate, src[candidate], delta[candidate], layers, kept),
-                    piece_rows)
+    groups = group if layers and params.policy == "adaptive" else None
+    return BlendJob(params, start, RowPlan(computed, candidate, src[candidate], delta[candidate], layers, kept,
+                                           groups), piece_rows)

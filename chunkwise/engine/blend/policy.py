@@ -4,7 +4,11 @@ candidates each policy computes, and at which check layers "kv-deviation" narrow
 k(x) = min(n, floor(x n + 0.5)). "chunk-heads" (EPIC) computes the first k(r) tokens of each chunk piece at every
 layer. "kv-deviation" (CacheBlend) computes every candidate at layer 0 and, at each check layer l = 1..C
 (C = min(MAX_CHECK_LAYERS, layers - 1)), keeps the k(r_l) that deviate most, r_l = r (1 + (C - l) / C): gradual
-filtering, down to k(r) at the last check layer. r = 0 computes no candidate; r = 1 keeps every row.
+filtering, down to k(r) at the last check layer. "adaptive" keeps the same counts at the same layers, shared out
+among the chunk pieces (the plan's groups) by how far each one's K/V moved: Sainte-Laguë apportionment of k(r_l)
+places in proportion to each piece's deviation sum, its most deviating candidates taking them (row_plan.py,
+`group_scores`), so the places add up to k(r_l) whatever the shares. r = 0 computes no candidate; r = 1 keeps every
+row.
 """
 from __future__ import annotations
 

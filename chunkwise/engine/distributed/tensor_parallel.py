@@ -132,10 +132,12 @@ class TensorParallel:
 
     def with_custom_all_reduce(self, dtype: torch.dtype, timeout: timedelta) -> TensorParallel:
         """This rank with the custom all-reduce for `dtype` activations built (collective: every rank calls it),
-        or as it is where the machine cannot run it (a warning says why)."""
+        or as it is where the machine cannot run it: on CUDA devices a warning says why; off CUDA (gloo) it is
+        never expected, so nothing is said."""
         reason = unusable(self.rank, self.size, self.device)
-        if reason is not None:   # asked for (it is opt-in): say why it is not used
-            warnings.warn(f"custom all-reduce off, NCCL serves every all-reduce: {reason}", stacklevel=2)
+        if reason is not None:
+            if self.device.type == "cuda":   # on by default: say why these GPUs do without it
+                warnings.warn(f"custom all-reduce off, NCCL serves every all-reduce: {reason}", stacklevel=2)
             return self
         programs = self.min(torch.cuda.get_device_properties(self.device).multi_processor_count)
         return replace(self, custom=CustomAllReduce(self.rank, self.size, self.cfg.hidden_size, dtype, self.device,

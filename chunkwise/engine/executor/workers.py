@@ -317,8 +317,8 @@ def _leave_group(backend: str) -> None:
 
 
 def with_configured_all_reduce(tp: TensorParallel, config: EngineConfig) -> TensorParallel:
-    """tp with the custom all-reduce when the config asks for it (collective: every rank calls it, before its KV
-    cache takes the free memory)."""
+    """tp with the custom all-reduce unless the config opts out (custom_all_reduce=False) or the machine cannot
+    run it (collective: every rank calls it, before its KV cache takes the free memory)."""
     return tp.with_custom_all_reduce(config.dtype, COLLECTIVE_TIMEOUT) if config.custom_all_reduce else tp
 
 
