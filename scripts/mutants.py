@@ -1145,8 +1145,8 @@ MUTANTS = [
            "the server's side of an engine decodes nothing: the engine sends token ids only, so every "
            "streamed piece and every answer's text is empty"),
     Mutant("serve_process_unpin_forgets_the_pin", "chunkwise/serve/client.py::EngineClient._on_call_done",
-           "            call.future.set_result(self.frontend.issue(call.ids, done.pinned if call.pin else None))\n",
-           "            call.future.set_result(self.frontend.issue(call.ids, None))\n",
+           "            call.future.set_result(self._issue(call.ids, done.pinned if call.pin else None))\n",
+           "            call.future.set_result(self._issue(call.ids, None))\n",
            "the server issues a chunk the engine process pinned without recording its pin, so DELETE /v1/chunks "
            "refuses to unpin it and its pages stay pinned for ever"),
     # session 29, lead: a temperature that vanishes in float32 is greedy (as in vLLM)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -51,6 +52,7 @@ class EngineClient:
         self._num_pages = 0
         self._stopping = False
         self._done = False     # the engine sent its last message (stopped, failed), or is gone
+        self._issuing = threading.Lock()
         self._handlers = {Outputs: self._on_outputs, Added: self._on_added, Refused: self._on_refused,
                           CallDone: self._on_call_done, Failed: self._on_failed, Stopped: self._on_stopped}
 
@@ -94,7 +96,7 @@ class EngineClient:
             future.set_exception(exc)
             return future
         if request is None:   # nothing to compute: only a handle
-            future.set_result(self.frontend.issue(ids, [] if pin else None))
+            future.set_result(self._issue(ids, [] if pin else None))
             return future
         self._call(ComputeChunk(next(self._ids), request, pin), _Call(future, ids, pin))
         return future
@@ -148,6 +150,12 @@ class EngineClient:
             return True
         return False
 
+    def _issue(self, ids: list[int], pinned: list[int] | None):
+        """A chunk's handle: issued here (a short chunk) or where the engine's answer is handled, which in-thread is
+        the engine's thread, so the registry's count is taken under a lock."""
+        with self._issuing:
+            return self.frontend.issue(ids, pinned)
+
     def _gone(self) -> str:
         return self.failure or "the server is shutting down"
 
@@ -185,7 +193,7 @@ class EngineClient:
         elif done.refused is not None:
             call.future.set_exception(done.refused)
         else:
-            call.future.set_result(self.frontend.issue(call.ids, done.pinned if call.pin else None))
+            call.future.set_result(self._issue(call.ids, done.pinned if call.pin else None))
 
     def _on_failed(self, m: Failed) -> None:
         self._done = True
