@@ -165,7 +165,9 @@ def test_chat_chunk_parts_over_http_give_the_engines_generate_of_the_spliced_pro
     seen = record_requests(server, monkeypatch)
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
                                        extra_body={"chunkwise": {"reuse": "exact"}, "ignore_eos": True})
-    assert len(seen) == 1 and list(seen[0].pieces) == pieces, "the engine did not get the spliced prompt"
+    assert len(seen) == 1 and seen[0].prompt_token_ids == ids, "the engine did not get the spliced prompt"
+    assert [(p.chunk, p.num_tokens) for p in seen[0].pieces] == \
+        [(p if isinstance(p, Chunk) else None, len(p)) for p in pieces]
     engine = server.state.engine
     out = engine.generate([ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert r.choices[0].message.content == out.text
