@@ -34,19 +34,33 @@ from types import SimpleNamespace
 import numpy as np
 
 from chunkwise.chunks import ChunkRegistry
-from chunkwise.engine.core import EngineStats
+from chunkwise.engine.core import CoreOutput, EngineStats
 from chunkwise.engine.frontend import Frontend
-from chunkwise.engine.llm_engine import StepOutput
 from chunkwise.sampling import RequestOutput
-from chunkwise.serve.cli import engine_loop, make_server
+from chunkwise.serve.cli import make_server
 from chunkwise.serve.engine_core import EngineCore
+from chunkwise.serve.engine_loop import EngineLoop
 
 MODEL = "fake"
 VOCAB = 1000
 
 
+class FakeTokenizer:
+    """Token id t is the text " t": what the server's output processor decodes FakeEngine's tokens with."""
+
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        return "".join(f" {t}" for t in token_ids)
+
+
+class _FakeFrontend(Frontend):
+    """FakeEngine's frontend, which keeps its FakeTokenizer across the pipe (a Frontend reloads its checkpoint's)."""
+
+    def __setstate__(self, state: dict) -> None:
+        Frontend.__init__(self, state["config"], FakeTokenizer(), state["chunks"])
+
+
 class _FakeCore:
-    """FakeEngine as an engine process drives it (EngineCore's calls): its step outputs carry text besides."""
+    """FakeEngine as the engine driver steps it (the engine core's calls), on a thread or in a process."""
 
     def __init__(self, engine: "FakeEngine"):
         self.engine = engine
@@ -55,27 +69,27 @@ class _FakeCore:
     def add_requests(self, requests) -> list[int]:
         return [self.engine.add_request(r.prompt_token_ids, r.params) for r in requests]
 
-    def abort(self, rid: int) -> StepOutput | None:
+    def abort(self, rid: int) -> CoreOutput | None:
         out = self.engine.abort(rid)
-        return None if out is None else StepOutput(rid, [], None, "abort", out)
+        return None if out is None else CoreOutput(rid, [], None, "abort", out)
 
 
 class FakeEngine:
-    """What the server's engine thread and request handlers use of chunkwise.Engine, without a model: a request
+    """What the server's engine driver and request handlers use of chunkwise.Engine, without a model: a request
     whose prompt begins with p generates the ids p + 1, p + 2, ... (modulo the vocabulary, never 0), each with the
-    text " <id>" and, if asked, logprobs giving it -0.5 and its top rivals u = 1, 2, ... -1 - u; each step first
+    text " <id>" (FakeTokenizer) and, if asked, logprobs giving it -0.5 and its top rivals u = 1, 2, ... -1 - u; each step first
     sleeps `step_s`. Its own CPU time in step() is summed in `busy_s`, and each step's start is recorded in
     `starts`."""
 
     def __init__(self, model: str = MODEL, step_s: float = 0.002):
         self.step_s = step_s
-        self.tokenizer = None
+        self.tokenizer = FakeTokenizer()
         self.max_model_len = 1 << 30
         self.model_config = SimpleNamespace(vocab_size=VOCAB)
         self.engine_config = SimpleNamespace(path=model, model_config=self.model_config,
                                              max_model_len=self.max_model_len)
         self.chunks = ChunkRegistry("fake")
-        self.frontend = Frontend(self.engine_config, None, self.chunks)   # the server's side, in an engine process
+        self.frontend = _FakeFrontend(self.engine_config, self.tokenizer, self.chunks)   # the server's side
         self.core = _FakeCore(self)   # what an engine process steps
         self.scheduler = SimpleNamespace(waiting=[], running={})
         self.page_pool = SimpleNamespace(num_pages=1, num_free_pages=1)
@@ -98,7 +112,7 @@ class FakeEngine:
         r = self.scheduler.running.pop(rid, None)
         return None if r is None else RequestOutput(rid, r.ids, r.tokens, finish_reason="abort")
 
-    def step(self) -> list[StepOutput]:
+    def step(self) -> list[CoreOutput]:
         self.starts.append(time.perf_counter())
         time.sleep(self.step_s)
         began = time.thread_time()
@@ -112,9 +126,8 @@ class FakeEngine:
             out = None
             if done:
                 del self.scheduler.running[rid]
-                out = RequestOutput(rid, r.ids, r.tokens, text="".join(f" {t}" for t in r.tokens),
-                                    finish_reason="length")
-            outs.append(StepOutput(rid, [token], lps, "length" if done else None, out, new_text=f" {token}"))
+                out = RequestOutput(rid, r.ids, r.tokens, finish_reason="length")
+            outs.append(CoreOutput(rid, [token], lps, "length" if done else None, out))
         self.busy_s += time.thread_time() - began
         return outs
 
@@ -159,20 +172,19 @@ def measure(args, num: int, profile: str | None) -> dict:
     in_process = args.engine == "thread"
     if in_process:
         engine = FakeEngine(step_s=args.step_ms / 1e3)
-        loop = engine_loop(engine)
+        loop = EngineLoop(engine)
     else:   # the stand-in engine in a process of its own, as `chunkwise serve` runs the real one
         engine = None
         loop = EngineCore(MODEL, {"step_s": args.step_ms / 1e3}, engine_class=FakeEngine)
         loop.start()
     srv = make_server(loop, MODEL, port=0, log_level="warning")
-    # cProfile follows the thread that enables it: the event loop's is ours to start, the engine thread runs
-    # what `loop.call` gives it
+    # cProfile follows the thread that enables it: the event loop's and the engine thread's are ours to start
     on_loop = cProfile.Profile() if profile else None
     on_engine = cProfile.Profile() if profile and in_process else None
+    if in_process:
+        loop.start(profile=on_engine)
     thread = threading.Thread(target=srv.run if on_loop is None else lambda: on_loop.runcall(srv.run), daemon=True)
     thread.start()
-    if on_engine is not None:
-        loop.call(on_engine.enable).result()
     while not srv.started:
         time.sleep(0.02)
     url = f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
@@ -192,8 +204,6 @@ def measure(args, num: int, profile: str | None) -> dict:
     finally:
         srv.should_exit = True
         thread.join(30)
-        if on_engine is not None:
-            loop.call(on_engine.disable).result()
         loop.close()
     tokens = num * args.requests * args.max_tokens
     if events != tokens:

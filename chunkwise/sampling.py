@@ -36,6 +36,9 @@ class SamplingParams:
     logprobs: int | None = None       # top-k logprobs per generated token, besides the chosen token's
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    # Strings that end the text before them (left out of it). The core never sees text: the caller's output
+    # processor matches them (chunkwise/engine/outputs.py) and aborts the request in the core.
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self):
         def check_int(name, optional=False):
@@ -72,6 +75,14 @@ class SamplingParams:
         if not all(is_int(t) and LIMIT["stop_token_id"].above_lower(t) for t in stops):
             _fail("stop_token_ids", stops, "token ids, integers >= 0", all(is_int(t) for t in stops))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            _fail("stop", self.stop, "a string or a list of strings", False)
+        if "" in stop:
+            _fail("stop", self.stop, "non-empty strings", True)
+        object.__setattr__(self, "stop", tuple(stop))
 
     @property
     def greedy(self) -> bool:

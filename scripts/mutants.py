@@ -102,6 +102,8 @@ SELECTION = [
     "tests/test_serve_chunks.py",
     "tests/test_serve_chat_chunks.py",
     "tests/test_serve_streaming.py",
+    "tests/test_serve_driver.py",
+    "tests/test_stop_strings.py",
     "tests/test_serve_process.py",
     "tests/test_bench_serving.py",
     "tests/test_tensor_parallel_lifecycle.py",
@@ -624,24 +626,24 @@ MUTANTS = [
            "        self.text += piece\n        return piece, pairs\n",
            '        self.text += piece\n        return ("" if out.finished else piece), pairs\n',
            "the streamed event that finishes a request carries its finish_reason but not its text"),
-    Mutant("serve_stop_string_leaves_the_request_running", "chunkwise/serve/app.py::_Reply._next",
-           "            self.state.loop.abort([choice.request_id])\n",
-           "            pass\n",
+    Mutant("serve_stop_string_leaves_the_request_running", "chunkwise/serve/client.py::EngineClient._on_outputs",
+           "        self.abort(self.outputs.take_stopped())\n",
+           "        self.outputs.take_stopped()\n",
            "a stop string ends the text sent, but the engine goes on generating the request to max_tokens"),
     Mutant("serve_n_samples_share_one_seed", "chunkwise/serve/protocol.py::_GenerationRequest.sampling_params",
            "seed=None if self.seed is None else self.seed + index,",
            "seed=self.seed,",
            "n > 1 with a seed gives every sample the same seed, so n identical samples"),
-    Mutant("serve_stop_string_prefix_not_held_back", "chunkwise/serve/stops.py::StopStrings.push",
+    Mutant("serve_stop_string_prefix_not_held_back", "chunkwise/engine/stop_strings.py::StopStrings.push",
            "        keep = max((self._partial(text, s) for s in self.stops), default=0)\n",
            "        keep = 0\n",
            "streamed text that may begin a stop string is sent at once, so a stop string split across pieces is "
            "missed"),
-    Mutant("serve_itl_measured_from_arrival", "chunkwise/serve/engine_loop.py::Streams._time_token",
+    Mutant("serve_itl_measured_from_arrival", "chunkwise/serve/streams.py::Streams._time_token",
            "self.metrics.itl.observe(now - stream.last_token)",
            "self.metrics.itl.observe(now - stream.arrival)",
            "the inter-token latency histogram measures from the request's arrival, not from its previous token"),
-    Mutant("serve_core_drops_aborts", "chunkwise/serve/engine_core.py::_CoreLoop._abort",
+    Mutant("serve_core_drops_aborts", "chunkwise/serve/driver.py::EngineDriver._abort",
            "(list(self.live) if m.request_ids is None else m.request_ids)",
            "(list(self.live) if m.request_ids is None else [])",
            "the engine process ignores the server's aborts of running requests: a client that disconnects leaves "
@@ -751,12 +753,6 @@ MUTANTS = [
            'admits(k, max_logprobs=state.max_logprobs)',
            'admits(k, max_logprobs=state.max_logprobs - 1)',
            "the server refuses logprobs (or top_logprobs) equal to --max-logprobs (OpenAI's 20) with a 400, though the message says it must be between 0 and 20"),
-    Mutant("serve_failed_submission_leaves_its_earlier_samples_queued", "chunkwise/serve/engine_loop.py::add_samples",
-           "    except Exception:\n        for rid in rids:\n            engine.abort(rid)\n        raise\n",
-           "    except Exception:\n        raise\n",
-           "when one sample of an HTTP request (a batched prompt, or n > 1) is refused by the engine, the client gets "
-           "a 400 but the samples added before it stay queued in the engine: they run to max_tokens unseen, holding "
-           "pages and counting as waiting/running"),
     Mutant("output_text_keeps_special_tokens", "chunkwise/tokenizer.py::decode",
            "    return tokenizer.decode(token_ids, skip_special_tokens=True)\n",
            "    return tokenizer.decode(token_ids)\n",
@@ -1142,19 +1138,19 @@ MUTANTS = [
            "pool.num_pages - pool.num_free_pages, len(pool.cached), pool.num_pinned_pages)",
            "stats() counts every page in the prefix cache as cached (reusable), including pages requests or pins "
            "hold"),
-    Mutant("output_processor_drops_the_exact_reuse_report", "chunkwise/engine/outputs.py::OutputProcessor.convert",
-           "chunk_reuse=final.chunk_reuse or reuse_report(tracked.pieces, final.num_cached_tokens))",
-           "chunk_reuse=final.chunk_reuse)",
+    Mutant("output_processor_drops_the_exact_reuse_report", "chunkwise/engine/outputs.py::OutputProcessor._final",
+           "report = final.chunk_reuse or reuse_report(tracked.pieces, final.num_cached_tokens)",
+           "report = final.chunk_reuse",
            "the output processor passes on only the core's blend report: a composite prompt in exact mode gets no "
            "chunk_reuse report"),
-    Mutant("serve_process_streams_lose_their_text", "chunkwise/serve/engine_core.py::EngineCore.start",
-           "        self.outputs = OutputProcessor(self.engine.tokenizer)\n",
-           "        self.outputs = OutputProcessor(None)\n",
-           "the server's side of an engine process decodes nothing: the engine sends token ids only, so every "
+    Mutant("serve_process_streams_lose_their_text", "chunkwise/serve/client.py::EngineClient._connect",
+           "        self.outputs = OutputProcessor(frontend)\n",
+           "        self.outputs = OutputProcessor(Frontend(frontend.engine_config, None, frontend.chunks))\n",
+           "the server's side of an engine decodes nothing: the engine sends token ids only, so every "
            "streamed piece and every answer's text is empty"),
-    Mutant("serve_process_unpin_forgets_the_pin", "chunkwise/serve/engine_core.py::EngineCore._on_call_done",
-           "            call.future.set_result(self.engine.issue(call.ids, done.pinned if call.pin else None, call.context))\n",
-           "            call.future.set_result(self.engine.issue(call.ids, None, call.context))\n",
+    Mutant("serve_process_unpin_forgets_the_pin", "chunkwise/serve/client.py::EngineClient._on_call_done",
+           "            call.future.set_result(self._issue(call.ids, done.pinned if call.pin else None, call.context))\n",
+           "            call.future.set_result(self._issue(call.ids, None, call.context))\n",
            "the server issues a chunk the engine process pinned without recording its pin, so DELETE /v1/chunks "
            "refuses to unpin it and its pages stay pinned for ever"),
     # session 29, lead: a temperature that vanishes in float32 is greedy (as in vLLM)
@@ -1237,6 +1233,32 @@ MUTANTS = [
            "            request = self.requests([ids], PREFIX_PARAMS)[0]\n",
            "register_chunk(after=...) computes (and pins) the chunk alone: the pages of context + chunk are never "
            "cached, so neither exact nor blend mode finds the variant it names"),
+    # ---- issue 48, one server driver (h48drv): the between-steps order, its transports, stop strings in the output
+    # processor. Retired: serve_failed_submission_leaves_its_earlier_samples_queued (serve/engine_loop.py's
+    # add_samples is gone: EngineClient.submit validates a whole submission before one Submit carries it, and the
+    # core's add_requests queues all or none; its killing test, test_a_refused_sample_leaves_none_of_its_requests_
+    # samples_queued, stays).
+    Mutant("driver_aborts_after_submissions", "chunkwise/serve/driver.py::<module>",
+           "_ORDER = {Stop: 0, Abort: 1, ComputeChunk: 2, Unpin: 2, Submit: 3}",
+           "_ORDER = {Stop: 0, Abort: 4, ComputeChunk: 2, Unpin: 2, Submit: 3}",
+           "between two steps the engine driver takes the server's aborts after its submissions, so new requests are "
+           "fitted to a pool whose aborted requests still hold their pages"),
+    Mutant("driver_waits_while_requests_run", "chunkwise/serve/driver.py::EngineDriver.run",
+           "messages = self.transport.recv(wait=not self.core.has_unfinished())",
+           "messages = self.transport.recv(wait=True)",
+           "the engine driver waits for the server's next message even while requests run: every stream stalls "
+           "until another request or abort arrives"),
+    Mutant("thread_transport_keeps_one_message_per_take", "chunkwise/serve/engine_loop.py::_ThreadTransport.recv",
+           "return list(_drained(self._inbox))",
+           "return list(_drained(self._inbox))[-1:]",
+           "the in-thread transport hands the engine driver only the last of the messages put since its last take: "
+           "a submission, abort or chunk call arriving with another is lost and its client waits for ever"),
+    Mutant("stop_string_aborts_one_step_late", "chunkwise/engine/llm_engine.py::Engine._step",
+           "        self.outputs.process(self.core.step())\n        for rid in self.outputs.take_stopped():\n",
+           "        stopped = self.outputs.take_stopped()\n        self.outputs.process(self.core.step())\n"
+           "        for rid in stopped:\n",
+           "a request a stop string ended is aborted in the core one step late: the core computes a token nobody "
+           "receives, holding its pages a step longer"),
 ]
 
 

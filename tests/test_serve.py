@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from chunkwise.engine import Engine
 from chunkwise.sampling import SamplingParams
 from chunkwise.serve.cli import serving
-from chunkwise.serve.stops import StopStrings
+from chunkwise.engine.stop_strings import StopStrings
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-chat"
@@ -233,13 +233,16 @@ def test_chat_without_a_template_is_a_400_naming_the_model(engine, client, monke
     assert MODEL in error_of(e.value)["message"] and "chat template" in error_of(e.value)["message"]
 
 
-def test_stop_strings_cut_the_text_there_and_abort_the_request(server, engine, client):
+def test_stop_strings_cut_the_text_there_and_abort_the_request(server, engine, client, monkeypatch):
     prompt = [21, 22, 23]
     want = expected(engine, [prompt], max_tokens=12, ignore_eos=True)[0]
     # a two-character stop string first found at k >= 2 (so some text comes before it)
     k = next(k for k in range(2, len(want.text) - 1) if want.text.find(want.text[k:k + 2]) == k)
     stop = want.text[k:k + 2]
     before = metrics(server)
+    aborts = []   # what the engine's core ended through an abort
+    abort = engine.core.abort
+    monkeypatch.setattr(engine.core, "abort", lambda rid: aborts.append(abort(rid)) or aborts[-1])
     kw = dict(model=MODEL, prompt=prompt, max_tokens=12, stop=[stop, "\x00never"], extra_body={"ignore_eos": True},
               **GREEDY)
     whole = client.completions.create(**kw)
@@ -248,8 +251,10 @@ def test_stop_strings_cut_the_text_there_and_abort_the_request(server, engine, c
     assert "".join(p.text for p in pieces) == want.text[:k] and pieces[-1].finish_reason == "stop"
     wait_idle(engine)
     after = metrics(server)
-    aborted = "chunkwise_request_success_total{finished_reason=abort}"
-    assert after[aborted] - before.get(aborted, 0) == 2, "the engine still ran the stopped requests"
+    assert [a is not None and len(a.output.token_ids) < 12 for a in aborts] == [True, True], \
+        "the engine still ran the stopped requests"
+    stopped = "chunkwise_request_success_total{finished_reason=stop}"
+    assert after[stopped] - before.get(stopped, 0) == 2   # a stop string's finish, as vLLM counts it
     # stop token ids: the engine's own stop
     stop_id = want.token_ids[3]
     first = want.token_ids.index(stop_id)
@@ -767,7 +772,7 @@ def test_an_engine_failing_outside_a_step_ends_its_requests_with_500_and_then_an
     with serving(Engine(chat_ckpt, dtype="float32", device="cpu", page_size=4, max_model_len=32), MODEL) as srv:
         def lost():
             raise RuntimeError("device lost")
-        srv.state.engine.step = lost
+        srv.state.engine.core.step = lost
         ask = dict(model=MODEL, prompt=[5, 6], max_tokens=2)
         r = httpx.post(srv.url + "/v1/completions", json=ask, timeout=60)
         assert r.status_code == 500 and "device lost" in r.json()["error"]["message"], r.text

@@ -146,15 +146,15 @@ def test_each_chunks_exact_ids_stand_where_its_text_would_start(server, chunks, 
     assert ids == expected
 
 
-def record_prompts(server, monkeypatch) -> list:
-    """From now on, the prompts the engine is given, as given."""
-    engine, seen = server.state.engine, []
-    add_request = engine.add_request
+def record_requests(server, monkeypatch) -> list:
+    """From now on, the requests the engine's core is given."""
+    core, seen = server.state.engine.core, []
+    add_requests = core.add_requests
 
-    def recorded(prompt, *args, **kwargs):
-        seen.append(prompt)
-        return add_request(prompt, *args, **kwargs)
-    monkeypatch.setattr(engine, "add_request", recorded)
+    def recorded(requests):
+        seen.extend(requests)
+        return add_requests(requests)
+    monkeypatch.setattr(core, "add_requests", recorded)
     return seen
 
 
@@ -162,10 +162,12 @@ def test_chat_chunk_parts_over_http_give_the_engines_generate_of_the_spliced_pro
                                                                                     monkeypatch):
     messages = conversation(chunks)
     ids, pieces = spliced_ids(server, messages)
-    seen = record_prompts(server, monkeypatch)
+    seen = record_requests(server, monkeypatch)
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
                                        extra_body={"chunkwise": {"reuse": "exact"}, "ignore_eos": True})
-    assert len(seen) == 1 and seen[0] == pieces, "the engine did not get the spliced prompt"
+    assert len(seen) == 1 and seen[0].prompt_token_ids == ids, "the engine did not get the spliced prompt"
+    assert [(p.chunk, p.num_tokens) for p in seen[0].pieces] == \
+        [(p if isinstance(p, Chunk) else None, len(p)) for p in pieces]
     engine = server.state.engine
     out = engine.generate([ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert r.choices[0].message.content == out.text
@@ -190,18 +192,11 @@ def test_streamed_chat_with_chunks_joins_to_the_whole_answer_and_ends_with_chunk
 
 
 def test_blend_options_reach_the_engine_for_a_chat(server, client, chunks, monkeypatch):
-    seen_reuse = []
-    engine = server.state.engine
-    add_request = engine.add_request
-
-    def recorded(prompt, *args, **kwargs):
-        seen_reuse.append(kwargs.get("reuse"))
-        return add_request(prompt, *args, **kwargs)
-    monkeypatch.setattr(engine, "add_request", recorded)
+    seen = record_requests(server, monkeypatch)
     r = client.chat.completions.create(model=MODEL, messages=conversation(chunks), max_tokens=2, temperature=0,
                                        extra_body={"chunkwise": {"reuse": "blend", "recompute_ratio": 0.5,
                                                                  "policy": "chunk-heads"}})
-    assert seen_reuse == [Blend(0.5, "chunk-heads")]
+    assert [r.reuse for r in seen] == [Blend(0.5, "chunk-heads")]
     assert all(x["exact"] + x["blended"] + x["recomputed"] == x["num_tokens"]
                for x in r.choices[0].model_extra["chunk_reuse"])
 
@@ -234,7 +229,7 @@ BAD = [
 @pytest.mark.parametrize("what,messages_of,extra,param,words", BAD, ids=[b[0] for b in BAD])
 def test_bad_chat_chunk_parts_are_400s_naming_the_part(server, client, chunks, what, messages_of, extra, param,
                                                        words, monkeypatch):
-    seen = record_prompts(server, monkeypatch)
+    seen = record_requests(server, monkeypatch)
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=messages_of(chunks), max_tokens=1, extra_body=extra)
     assert e.value.status_code == 400

@@ -1,8 +1,8 @@
 """The server's chunk extension, over real HTTP on 127.0.0.1: /v1/chunks registers, lists and unpins chunks (on the
 engine thread); a completion's `chunkwise` object composes them with text and ids, and its output equals the same
 engine's `generate` of the same composite prompt (exact mode: tokens and pieces; blend mode on the same prefix
-cache: tokens, logprobs and `chunk_reuse` bit for bit), streamed too, a stop string included; a request finishing
-inside a registration (which steps the engine) is still answered; every bad extension input is a 400 (404 for an
+cache: tokens, logprobs and `chunk_reuse` bit for bit), streamed too, a stop string included; a request and a
+registration taken between the same two steps are both answered; every bad extension input is a 400 (404 for an
 unknown chunk) with OpenAI's error object naming the field, checked before anything is queued, and the server goes
 on.
 
@@ -109,44 +109,46 @@ def test_chunks_are_registered_listed_and_unpinned(server, chunks, engine):
     assert listed[extra["id"]]["pinned"] is False   # still a handle to compose with
 
 
-def test_a_request_finishing_inside_a_registration_is_still_answered(server, engine, monkeypatch):
-    """register_chunk steps the engine itself, so a request may finish inside it: its last output waits in the
-    engine's backlog, and the engine thread must step once more to hand it over though nothing is unfinished.
-    The engine's lock, held here, lines it up: the request is admitted, the registration queued behind it."""
-    loop, results, adding = server.state.loop, {}, threading.Event()
-    add_request = engine.add_request
+def test_a_request_and_a_registration_taken_between_the_same_two_steps_are_both_answered(server, engine,
+                                                                                         monkeypatch):
+    """The engine driver takes the server's messages between steps: a completion and a chunk registration that
+    arrive during one step are taken together (the registration first: a prefix job the core runs like a prefill),
+    and both are answered."""
+    inbox = server.state.loop._transport._inbox
+    held, release = threading.Event(), threading.Event()
+    step = engine.core.step
 
-    def announced_add_request(*args, **kwargs):
-        adding.set()
-        return add_request(*args, **kwargs)
+    def held_step():
+        if not release.is_set():
+            held.set()
+            release.wait(60)
+        return step()
 
-    # A registration just answered (another test's, on this module's server) is followed by one more step on the
-    # engine thread, which would wait for the lock taken below: a plain request answered first leaves it idle.
-    assert post(server, "/v1/completions", {"model": MODEL, "prompt": [5], "max_tokens": 1}).status_code == 200
-    monkeypatch.setattr(engine, "add_request", announced_add_request)
+    results = {}
 
     def call(name, path, body):
-        try:
-            results[name] = post(server, path, body, timeout=60)
-        except httpx.TimeoutException:
-            pass
+        results[name] = post(server, path, body, timeout=60)
 
-    threads = []
-    with engine._lock:
-        threads.append(threading.Thread(target=call, args=("completion", "/v1/completions", {
-            "model": MODEL, "prompt": [5, 6], "max_tokens": 2, "ignore_eos": True, "temperature": 0})))
-        threads[-1].start()
-        assert adding.wait(60)   # the engine thread took the request and waits for the lock in add_request
-        threads.append(threading.Thread(target=call, args=("chunk", "/v1/chunks", {
-            "model": MODEL, "prompt": list(range(100, 124))})))
-        threads[-1].start()
-        while loop._calls.qsize() == 0:
-            time.sleep(0.01)
+    monkeypatch.setattr(engine.core, "step", held_step)
+    threads = [threading.Thread(target=call, args=("running", "/v1/completions", {
+        "model": MODEL, "prompt": [5], "max_tokens": 3, "ignore_eos": True}))]
+    threads[0].start()
+    assert held.wait(60)   # the driver is inside a step
+    threads.append(threading.Thread(target=call, args=("completion", "/v1/completions", {
+        "model": MODEL, "prompt": [5, 6], "max_tokens": 2, "ignore_eos": True, "temperature": 0})))
+    threads.append(threading.Thread(target=call, args=("chunk", "/v1/chunks", {
+        "model": MODEL, "prompt": list(range(100, 124))})))
+    for t in threads[1:]:
+        t.start()
+    deadline = time.monotonic() + 60
+    while inbox.qsize() < 2:
+        assert time.monotonic() < deadline, "the server's messages did not reach the engine's inbox"
+        time.sleep(0.01)
+    release.set()
     for t in threads:
         t.join(90)
-    assert set(results) == {"chunk", "completion"}, "no answer: the last output stayed in the engine's backlog"
-    assert results["chunk"].status_code == 200, results["chunk"].text
-    assert results["completion"].status_code == 200, results["completion"].text
+    assert set(results) == {"running", "chunk", "completion"}, results
+    assert all(r.status_code == 200 for r in results.values()), {k: r.text for k, r in results.items()}
     assert results["completion"].json()["usage"]["completion_tokens"] == 2
 
 

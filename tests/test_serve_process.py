@@ -30,8 +30,9 @@ from chunkwise.engine import Engine
 from chunkwise.sampling import SamplingParams
 from chunkwise.serve.cli import serving
 from chunkwise.engine.core import CoreOutput
-from chunkwise.serve.engine_core import EngineCore, EngineStartError, Outputs, settled_heap
-from chunkwise.serve.engine_loop import Submission
+from chunkwise.serve.engine_core import EngineCore, EngineStartError, settled_heap
+from chunkwise.serve.messages import Outputs
+from chunkwise.serve.streams import Submission
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-bytes"

@@ -47,6 +47,9 @@ class Frontend:
         requests = validate_requests(self.model_config, self.tokenizer, self.max_model_len, prompts, sampling_params,
                                      chunk_sizes, reuse, self.chunks)
         for i, r in enumerate(requests):
+            if r.params.stop and self.tokenizer is None:
+                raise ValueError(f"prompt {i}: stop strings {list(r.params.stop)!r:.80} need a tokenizer, and "
+                                 f"{self.engine_config.path} has none; use stop_token_ids")
             if r.reuse != "exact":
                 self.check_blend(r.reuse, i)
         return requests

@@ -58,7 +58,7 @@ class Engine:
         tokenizer = load_tokenizer(config.path)
         self.frontend = Frontend(config, tokenizer, ChunkRegistry("chunkwise.Engine"))
         self.core = EngineCore(config, self.model_class)
-        self.outputs = OutputProcessor(tokenizer)
+        self.outputs = OutputProcessor(self.frontend)
         self._lock = threading.RLock()
 
     @property
@@ -68,7 +68,7 @@ class Engine:
     @tokenizer.setter
     def tokenizer(self, tokenizer) -> None:
         """One tokenizer for both sides: what validation encodes with is what the outputs decode with."""
-        self.frontend.tokenizer = self.outputs.tokenizer = tokenizer
+        self.frontend.tokenizer = tokenizer
 
     @property
     def chunks(self) -> ChunkRegistry:
@@ -113,7 +113,7 @@ class Engine:
             self.core.check_open()
             request = self.frontend.requests(single_prompt(prompt), sampling_params, [chunk_sizes], reuse)[0]
             rid = self.core.add_requests([request])[0]
-            self.outputs.add(rid, request.pieces, stream=True)
+            self.outputs.add(rid, request.pieces, stream=True, stop=request.params.stop)
             return rid
 
     def abort(self, request_id: int) -> RequestOutput | None:
@@ -181,7 +181,7 @@ class Engine:
         try:
             while not mine:
                 with self._lock:
-                    self.outputs.process(self.core.step())
+                    self._step()
             return mine[0]
         finally:
             if not mine:   # interrupted: nothing of it stays behind
@@ -195,8 +195,17 @@ class Engine:
         `add_request` got (with its new text), this step or while another call stepped the engine; under overlap
         scheduling, what the step before got, once this one is launched."""
         with self._lock:
-            self.outputs.process(self.core.step())
+            self._step()
             return self.outputs.take_unclaimed()
+
+    def _step(self) -> None:
+        """One core step, its outputs processed; a request a stop string ended is aborted in the core at once, and
+        its abort's output finishes it."""
+        self.outputs.process(self.core.step())
+        for rid in self.outputs.take_stopped():
+            out = self.core.abort(rid)
+            if out is not None:
+                self.outputs.process([out])
 
     def generate(self, prompts, sampling_params=None, chunk_sizes=None, use_tqdm=None,
                  reuse="exact") -> list[RequestOutput]:
@@ -209,7 +218,7 @@ class Engine:
             requests = self.frontend.requests(prompts, sampling_params, chunk_sizes, reuse)
             rids = self.core.add_requests(requests)
             for rid, request in zip(rids, requests):
-                self.outputs.add(rid, request.pieces, sink=mine)
+                self.outputs.add(rid, request.pieces, sink=mine, stop=request.params.stop)
         show = len(rids) >= TQDM_MIN_PROMPTS if use_tqdm is None else use_tqdm
         done: dict[int, RequestOutput] = {}
         generated = 0
@@ -219,7 +228,7 @@ class Engine:
                 while len(done) < len(rids):
                     finished = len(done)
                     with self._lock:
-                        self.outputs.process(self.core.step())
+                        self._step()
                         for o in mine:
                             generated += len(o.new_token_ids)
                             if o.finished:

@@ -2,10 +2,10 @@
 and chunkwise's chunk registry (/v1/chunks) with composite completion prompts (the `chunkwise` extension).
 
 A request is parsed and checked here (protocol.py), its prompts encoded (a chat through the checkpoint's chat
-template), then its samples (n per prompt) are submitted to the engine together (`state.loop`: an EngineLoop or
-an EngineCore, the same interface). Their outputs come back through one asyncio queue; stop strings are cut from
-the text here (stops.py), after which that sample is aborted in the engine. A client that disconnects, streaming or not, has its requests aborted, so their pages are freed at
-once. Errors use OpenAI's error object: 400 for a bad request (the engine's own TypeError/ValueError message
+template), then its samples (n per prompt) are submitted to the engine together (`state.loop`: an EngineClient,
+serve/client.py, over an engine on a thread or in a process of its own). Their outputs come back through one asyncio
+queue, with their text (stop strings already cut by the client's output processor, which aborts the sample in the
+engine). A client that disconnects, streaming or not, has its requests aborted, so their pages are freed at once. Errors use OpenAI's error object: 400 for a bad request (the engine's own TypeError/ValueError message
 included), 404 for an unknown model, 429 when the waiting queue is full, 500 for a request that failed inside a
 step (only that request), 503 while shutting down or after the engine failed.
 
@@ -24,7 +24,6 @@ import asyncio
 import json
 import time
 from concurrent.futures import Future
-from contextlib import asynccontextmanager
 from json.encoder import encode_basestring_ascii as _json_str   # a str as json.dumps writes it (ensure_ascii)
 from dataclasses import dataclass, field, replace
 
@@ -36,12 +35,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from chunkwise.chunks import BLEND_POLICIES, Blend, Chunk, blend_params
 from chunkwise.limits import LIMIT
 from chunkwise.serve.chat import has_chunk_parts, splice_chat
-from chunkwise.serve.engine_core import EngineCore
-from chunkwise.serve.engine_loop import EngineLoop, Submission
+from chunkwise.serve.client import EngineClient
 from chunkwise.serve.protocol import (APIError, ChatCompletionRequest, ChunkRequest, CompletionRequest, ReuseOptions,
                                       bad_request, chunk_card, chunk_name, model_card, new_id, now, parse, reuse_card,
                                       usage)
-from chunkwise.serve.stops import StopStrings
+from chunkwise.serve.streams import Submission
 from chunkwise.tokenizer import chat_prompt, encode_prompts, is_int
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions; a chat defaults to the room left
@@ -49,7 +47,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions; a c
 
 @dataclass
 class ServerState:
-    loop: EngineLoop | EngineCore   # the engine on a thread of this process, or in a process of its own
+    loop: EngineClient   # the engine on a thread of this process (EngineLoop), or in a process of its own (EngineCore)
     model_name: str
     max_waiting: int = 1024        # requests waiting for admission before new ones get 429
     max_logprobs: int = 20         # the most top logprobs a request may ask for (OpenAI allows 20)
@@ -79,36 +77,23 @@ class _Choice:
     """One sample's progress: what was sent, what ended it."""
     index: int
     request_id: int
-    stops: StopStrings | None
     text: str = ""
     num_tokens: int = 0
     logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)   # (token, its logprob dict)
     finish_reason: str | None = None
     error: str | None = None
-    ended: bool = False                  # the engine's last output arrived (after a stop string: its abort's)
     chunk_reuse: list[dict] | None = None   # the engine's report, once ended
-    held: tuple | None = None            # streamed: the finishing event's (piece, pairs), until chunk_reuse comes
 
     def feed(self, out) -> tuple[str, list[tuple[int, dict[int, float]]]]:
-        """The text and (token, logprobs) pairs that `out` adds, with stop strings cut; sets finish_reason when the
-        sample ends (a stop string is "stop", as the engine's own stop tokens are)."""
-        if out.finished:
-            self.ended = True
-            report = out.output.chunk_reuse if out.output is not None else None
-            self.chunk_reuse = None if report is None else [reuse_card(r) for r in report]
-        if self.finish_reason is not None:   # ended by a stop string: its later outputs are dropped
-            return "", []
+        """The text and (token, logprobs) pairs that `out` adds; sets finish_reason when the sample ends (a stop
+        string is "stop", as the engine's own stop tokens are)."""
         self.num_tokens += len(out.new_token_ids)
         pairs = list(zip(out.new_token_ids, out.new_logprobs)) if out.new_logprobs else []
         self.logprobs += pairs
         piece = out.new_text
-        if self.stops is not None:
-            piece, stopped = self.stops.push(piece)
-            if stopped:
-                self.finish_reason = "stop"
-            elif out.finished:
-                piece += self.stops.flush()
-        if out.finished and self.finish_reason is None:
+        if out.finished:
+            report = out.output.chunk_reuse if out.output is not None else None
+            self.chunk_reuse = None if report is None else [reuse_card(r) for r in report]
             self.finish_reason = out.finish_reason
             if out.finish_reason == "error":
                 self.error = out.output.error if out.output is not None else "the request failed"
@@ -117,15 +102,7 @@ class _Choice:
 
 
 def build_app(state: ServerState) -> FastAPI:
-    @asynccontextmanager
-    async def lifespan(_app):
-        state.loop.attach(asyncio.get_running_loop())   # an engine process's messages are received on this loop
-        try:
-            yield
-        finally:
-            state.loop.detach()
-
-    app = FastAPI(title="chunkwise", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = FastAPI(title="chunkwise", docs_url=None, redoc_url=None)
     app.state.server = state
 
     @app.exception_handler(APIError)
@@ -288,7 +265,7 @@ async def _generate(state: ServerState, request: Request, chat: bool):
         future.add_done_callback(lambda f: not f.cancelled() and f.exception() is None
                                  and state.loop.abort(f.result()))
         raise
-    choices = [_Choice(i, rid, StopStrings(stops) if stops else None) for i, rid in enumerate(request_ids)]
+    choices = [_Choice(i, rid) for i, rid in enumerate(request_ids)]
     reply = _Reply(state, req, chat, choices, queue, prompt_tokens, composite)
     if req.stream:
         return _AbortingStream(reply)
@@ -430,7 +407,7 @@ class _Reply:
                  prompt_tokens: int, composite: bool = False):
         self.state, self.req, self.chat, self.choices, self.queue = state, req, chat, choices, queue
         self.prompt_tokens = prompt_tokens
-        self.composite = composite   # each choice reports chunk_reuse, so waits for the engine's last output
+        self.composite = composite   # each choice reports chunk_reuse
         self.k = _logprobs(state, req, chat)
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = now()
@@ -443,22 +420,18 @@ class _Reply:
 
     # ---- driving -------------------------------------------------------------------------------------
     async def _next(self):
-        """The next (choice, piece, pairs); aborts a sample a stop string just ended."""
+        """The next (choice, piece, pairs)."""
         index, out = await self.queue.get()
         choice = self.choices[index]
-        was_open = choice.finish_reason is None
         piece, pairs = choice.feed(out)
-        if was_open and choice.finish_reason is not None and not out.finished:   # stopped by a stop string
-            self.state.loop.abort([choice.request_id])
-        return choice, piece, pairs, was_open
+        return choice, piece, pairs
 
     def running_ids(self) -> list[int]:
         return [c.request_id for c in self.choices if c.finish_reason is None]
 
     def _open(self) -> bool:
-        """Whether some choice still waits for an output: for its end, or for the engine's last output
-        (which carries chunk_reuse) of a composite."""
-        return any(not c.ended if self.composite else c.finish_reason is None for c in self.choices)
+        """Whether some choice still waits for an output."""
+        return any(c.finish_reason is None for c in self.choices)
 
     def _failed(self) -> _Choice | None:
         return next((c for c in self.choices if c.finish_reason == "error"), None)
@@ -494,19 +467,11 @@ class _Reply:
                         "finish_reason": None}
                 yield self._event([json.dumps(role)])
         while self._open():
-            choice, piece, pairs, was_open = await self._next()
-            if not was_open:
-                if choice.held is not None and choice.ended:   # a stop string's end, now with chunk_reuse
-                    yield self._event([self._choice_json(choice, *choice.held, choice.finish_reason)])
-                    choice.held = None
-                continue
+            choice, piece, pairs = await self._next()
             if choice.finish_reason == "error":   # the others are aborted
                 yield f"data: {json.dumps(self._error(choice).body())}\n\n"
                 break
             # one event per engine output, text or not, so a client sees each token's arrival
-            if self.composite and choice.finish_reason is not None and not choice.ended:
-                choice.held = (piece, pairs)   # sent with chunk_reuse once the engine's abort output comes
-                continue
             yield self._event([self._choice_json(choice, piece, pairs, choice.finish_reason)])
         else:
             if self.req.stream_options is not None and self.req.stream_options.include_usage:

@@ -102,7 +102,8 @@ class _GenerationRequest(BaseModel):
         top_k = 0 if self.top_k == -1 else self.top_k
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=top_k, top_p=self.top_p,
                               seed=None if self.seed is None else self.seed + index, logprobs=logprobs,
-                              ignore_eos=self.ignore_eos, stop_token_ids=tuple(self.stop_token_ids or ()))
+                              ignore_eos=self.ignore_eos, stop_token_ids=tuple(self.stop_token_ids or ()),
+                              stop=tuple(self.stop_strings()))
 
 
 class ReuseOptions(BaseModel):

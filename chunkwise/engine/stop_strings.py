@@ -1,8 +1,8 @@
-"""Stop strings on streamed text: the engine stops on token ids only, so the server watches the text.
+"""Stop strings on decoded text: the engine core stops on token ids only, so the output processor watches the text.
 
-The output ends before the first stop string to complete (OpenAI leaves the stop string out). While streaming, text that
-could be the beginning of a stop string is held back until the next piece says whether it is one, so no client
-ever receives part of a stop string.
+The output ends before the first stop string to complete (OpenAI and vLLM leave the stop string out). Text that
+could be the beginning of a stop string is held back until the next piece says whether it is one, so no streamed
+piece ever carries part of a stop string.
 """
 from __future__ import annotations
 
