@@ -124,23 +124,27 @@ def test_the_pipeline_holds_its_anchors_end_to_end_on_a_tiny_model(tiny_ckpt, tm
     ckpt = tiny_ckpt("llama", max_position_embeddings=4096)
     got = main(["--model", str(ckpt), "--engine", "reference", "--device", "cpu", "--dtype", "float32",
                 "--tasks", "3", "--two-hop-tasks", "1", "--docs", "2,2", "--ratios", "0,1", "--page-size", "1",
-                "--configs", "isolated kv-deviation,isolated chunk-heads", "--reference-tasks", "1",
+                "--configs", "isolated kv-deviation,isolated chunk-heads,conditioned adaptive", "--reference-tasks", "1",
                 "--resamples", "200", "--speed-json", str(speed), "--out", str(tmp_path / "out")])
     results, summary = got["results"], got["summary"]
-    assert list(results) == ["exact", "isolated r=0", "isolated kv-deviation r=1", "isolated chunk-heads r=1"]
+    assert list(results) == ["exact", "isolated r=0", "isolated kv-deviation r=1", "isolated chunk-heads r=1",
+                             "conditioned r=0", "conditioned adaptive r=1"]
     exact = results["exact"]
-    for label in ("isolated kv-deviation r=1", "isolated chunk-heads r=1"):   # r = 1 is exact mode
+    for label in ("isolated kv-deviation r=1", "isolated chunk-heads r=1", "conditioned adaptive r=1"):   # exact
         r = results[label]
         assert r["outputs"] == exact["outputs"] and r["recomputed_share"] == 1
         assert r["agree"] == r["answer_tokens"] and max(r["kl"]) < 1e-9
     none = results["isolated r=0"]
     assert none["recomputed_share"] == 0 and sum(none["kl"]) > 1e-6
+    # documents computed after the real context and placed with no recompute: approximate past the first document
+    conditioned = results["conditioned r=0"]
+    assert conditioned["recomputed_share"] == 0 and sum(conditioned["kl"]) > 1e-6
     assert set(summary) == {"single-hop", *FAMILIES}
     assert summary["two-hop"]["exact"]["tasks"] == 1 and summary["single-hop"]["exact"]["tasks"] == 3
     assert summary["single-hop"]["exact"]["any_case_vs_exact"] == dict(difference=0, low=0, high=0)
     # the reference check against a reference engine of the same dtype: the same numbers
     assert all(a["top1_agreement"] == 1 and a["mean_kl"] < 1e-6 for a in got["agreement"]["modes"].values())
-    assert set(got["agreement"]["modes"]) == {"exact", "isolated r=0"}
+    assert set(got["agreement"]["modes"]) == {"exact", "isolated r=0", "conditioned r=0"}
     out = tmp_path / "out"
     table = (out / "bench_blend_quality.md").read_text()
     assert "### two-hop: 1 tasks" in table and "(the family exact mode should solve at >= 80%)" in table
