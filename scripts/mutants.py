@@ -396,14 +396,6 @@ MUTANTS = [
            '        base = tl.load(layers_ptr + tl.program_id(1)) * layer_stride',
            '        base = tl.program_id(1).to(tl.int64) * layer_stride',
            "the one-launch relocation moves layers 0..m-1 instead of the layers it was given (Gemma's local ones)"),
-    Mutant('blend_tail_graph_takes_steps_with_decodes', 'chunkwise/engine/cuda_graphs.py::StepGraphs.tail_key',
-           '        if (not self.tail_rows or inp.decode_seq_lens.shape[0] or inp.seq_lens.shape[0] > PREFILL_SEQS\n',
-           '        if (not self.tail_rows or inp.seq_lens.shape[0] > PREFILL_SEQS\n',
-           "a blended step with decodes beside it replays a tail graph, which holds prefill rows only"),
-    Mutant('blend_tail_graph_never_stages_the_residual', 'chunkwise/engine/cuda_graphs.py::StepGraphs._stage_tail',
-           '        for a, b, pad in ((state.h, static.h, 0), (state.residual, static.residual, 0),\n',
-           '        for a, b, pad in ((state.h, static.h, 0),\n',
-           "a tail graph's residual stream is never staged: its layers add to the last step's residual (or zeros)"),
     Mutant('chunk_heads_counts_heads_from_the_exact_prefix', 'chunkwise/engine/blend/planning.py::plan_blend',
            '        head[idx] = off[inside] < math.floor(params.recompute_ratio * p.num_tokens + 0.5)\n',
            '        head[idx] = pos[inside] - start < math.floor(params.recompute_ratio * p.num_tokens + 0.5)\n',
@@ -1152,6 +1144,21 @@ MUTANTS = [
            "            call.future.set_result(self.engine.issue(call.ids, None))\n",
            "the server issues a chunk the engine process pinned without recording its pin, so DELETE /v1/chunks "
            "refuses to unpin it and its pages stay pinned for ever"),
+    # ---- h49graph: blend graphs (issue #49 §2: a blended prefill's whole step replays one CUDA graph) ----
+    Mutant("blend_graph_stages_one_kept_row_too_many", "chunkwise/engine/blend_graphs.py::BlendGraphs.stage",
+           "out[:len(segments)] = [n if k < 0 else k for _, n, k in segments]",
+           "out[:len(segments)] = [n if k < 0 else k + 1 for _, n, k in segments]",
+           "a blend graph stages each selecting segment's kept rows one too many: its check layers keep a row the "
+           "eager step drops, and the rows after them attend to K/V the eager step never computed"),
+    Mutant("blend_graph_stages_the_segments_shifted", "chunkwise/engine/blend_graphs.py::BlendGraphs.stage",
+           "out[:before], out[before:] = np.repeat(np.arange(len(segments)), sizes)[:before], SEGMENTS - 1",
+           "out[:before], out[before:] = np.repeat(np.arange(len(segments)), sizes)[1:before + 1], SEGMENTS - 1",
+           "a blend graph stages each row's segment one row early: a segment's first row ranks in the one before it"),
+    Mutant("blend_graph_holds_more_rows_than_its_budget", "chunkwise/engine/blend_graphs.py::BlendGraphs.key_for",
+           "if real + d > self.max_rows or d > self.max_decodes:",
+           "if real > self.max_rows or d > self.max_decodes:",
+           "a blend graph takes a step whose prefill rows fit but whose decodes beside them do not: more rows than "
+           "the graphs were sized for"),
 ]
 
 

@@ -6,8 +6,8 @@ attention then reads pages only, so prefill, chunked prefill and decode read K/V
 (docs/ARCHITECTURE.md, lesson 3). Each residual add is folded into the norm after it (`add_rms_norm`), so a
 decode layer is: norm, QKV GEMM, rope_store, attention, O GEMM, norm, gate_up GEMM, act_and_mul, down GEMM.
 A step with a row plan (`StepInputs.row_plan`, chunkwise/engine/row_plan.py) places K/V before its first layer, and its
-check layers narrow its rows; the residual stream after them (`LayerState`) is all the later layers need, so the
-runner can replay those as a CUDA graph (`forward`'s `tail`).
+check layers narrow its rows on the device, in fixed shapes where a blend graph replays the whole step
+(chunkwise/engine/blend_graphs.py); the residual stream after them (`LayerState`) is all the later layers need.
 
 Deterministic mode (`deterministic=True`): every op on a token's path gives that token the same bits whatever its
 batch-mates, chunk boundaries or page size, and whether prefill, decode or a recompute computes it. The GEMMs take
@@ -29,7 +29,6 @@ Flat-batch layout (built by `ModelRunner`): tokens of the sequences that bring p
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -168,14 +167,12 @@ class Model:
             self.tp.all_reduce(h)
         return add_rms_norm(h, residual, weight, eps, plus_one, pre_weight=pre_weight)
 
-    def forward(self, inp: StepInputs, kv_caches: LayerCaches,
-                tail: Callable[[LayerState], torch.Tensor | None] | None = None, place: bool = True) -> torch.Tensor:
+    def forward(self, inp: StepInputs, kv_caches: LayerCaches, place: bool = True) -> torch.Tensor:
         """Logits [N, vocab] for the rows `inp.logits_indices` (the model's dtype; float32 when soft-capped), after
         writing every layer's K/V; under tensor parallelism, this rank's [N, P] slice of them (soft-capped alike).
 
         A step with a row plan places its K/V and runs its check layers here; from the first layer after them its
-        rows are fixed, and `tail` (the runner's CUDA graphs) may run the rest: it returns the logits, or None to
-        leave them here. `place=False`: the plan's K/V are placed already (a blend graph places them before its
+        rows are fixed. `place=False`: the plan's K/V are placed already (a blend graph places them before its
         replay, chunkwise/engine/blend_graphs.py)."""
         h = self._embed(inp.input_ids)
         if self.embed_scale is not None:
@@ -189,10 +186,6 @@ class Model:
                 state = self._layers(state, kv_caches, max(plan.checks) + 1, plan)
             else:   # every row goes on through every layer
                 plan.kept = torch.arange(h.shape[0], device=h.device)
-            if tail is not None and state.layer < len(self.layers):
-                logits = tail(state)
-                if logits is not None:
-                    return logits
         return self.tail(state, kv_caches)
 
     def tail(self, state: LayerState, kv_caches: LayerCaches) -> torch.Tensor:

@@ -73,7 +73,7 @@ class ModelRunner:
                                  page_size=self.page_size, split_size=self.split_size,
                                  cascade_item_size=self.cascade_item_size, num_kv_heads=self.num_kv_heads,
                                  device=self.device, max_graph_tokens=config.max_graph_tokens)
-        # Row-planned steps' whole forward (chunkwise/engine/blend_graphs.py); on where the tail graphs are.
+        # Row-planned steps' whole forward (chunkwise/engine/blend_graphs.py); on where mixed graphs are.
         self.blend_graphs = BlendGraphs(self.model, self.kv, max_pages_per_seq=config.max_pages_per_seq,
                                         max_decodes=config.max_num_seqs, device=self.device)
         # Steps by kind ("decode", "cascade decode", "mixed": with prefill rows, "blend": with a row plan) and path
@@ -83,7 +83,8 @@ class ModelRunner:
             self._warm_up()
             if not config.enforce_eager and self.split_kv_threshold == 0:
                 self.graphs.capture(config.max_num_seqs, self.cascade, config.max_num_batched_tokens)
-                self.blend_graphs.max_rows = self.graphs.tail_rows if tp is None else 0
+                if config.max_graph_tokens > 0 and tp is None:
+                    self.blend_graphs.max_rows = config.max_num_batched_tokens
 
     # ---- step inputs -------------------------------------------------------------------------------
     def prepare(self, batch) -> tuple[HostStep, list]:
@@ -272,16 +273,9 @@ class ModelRunner:
             return self.graphs.replay(host, key, self.tables.table, self.last_tokens)
         self.launches[kind, "eager"] += 1
         inp = self._upload(host)
-        logits = self.model.forward(inp, self.kv.layers, tail=self._tail if self.graphs.tail_rows else None)
+        logits = self.model.forward(inp, self.kv.layers)
         self.last_row_plan = inp.row_plan
         return logits, None
-
-    def _tail(self, state) -> torch.Tensor | None:
-        """A row-planned step's layers after its check layers, as a tail graph's replay where one holds them."""
-        logits = self.graphs.replay_tail(state)
-        if logits is not None:
-            self.launches["tail", "graph"] += 1
-        return logits
 
     def _warm_up(self):
         """Run one eager forward per specialisation class, so no Triton kernel compiles inside a user's step.
