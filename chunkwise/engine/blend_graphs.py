@@ -115,12 +115,12 @@ class BlendGraphs:
         sizes32 = dict(seq_lens=p, qsl=p + 1, decode_lens=decodes)
         ins = (rows,) + kept[:-1]
         for c, n in enumerate(ins):
-            sizes64.update({f"segment{c}": n, f"keep{c}": SEGMENTS, f"count{c}": 1})
+            sizes64.update({f"segment{c}": n, f"start{c}": SEGMENTS, f"keep{c}": SEGMENTS, f"count{c}": 1})
             sizes32[f"qsl{c}"] = p + 1
         b64, b32 = _Buffers(sizes64, torch.int64, dev), _Buffers(sizes32, torch.int32, dev)
         tables = torch.zeros(p + decodes, self.max_pages_per_seq, dtype=torch.int32, device=dev)
         checks = {layer: RowSelection([], b32.view(f"qsl{c}"), PaddedSelection(
-            b64.view(f"segment{c}"), b64.view(f"keep{c}"), b64.view(f"count{c}"), kept[c]))
+            b64.view(f"segment{c}"), b64.view(f"start{c}"), b64.view(f"keep{c}"), b64.view(f"count{c}"), kept[c]))
             for c, layer in enumerate(layers)}
         none = torch.zeros(0, dtype=torch.int64, device=dev)
         placed = torch.zeros(t, dtype=torch.bool, device=dev)
@@ -173,6 +173,9 @@ class BlendGraphs:
                                    f"{SEGMENTS - 1}")
             out = b64[f"segment{c}"]
             out[:before], out[before:] = np.repeat(np.arange(len(segments)), sizes)[:before], SEGMENTS - 1
+            starts = np.minimum(np.cumsum(sizes) - sizes, before)   # a decode run's past the prefill rows
+            out = b64[f"start{c}"]
+            out[:len(segments)], out[len(segments):] = starts, before   # the padding's segment starts after them
             out = b64[f"keep{c}"]
             out[:len(segments)] = [n if k < 0 else k for _, n, k in segments]
             out[len(segments):] = 0

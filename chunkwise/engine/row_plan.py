@@ -77,6 +77,7 @@ class PaddedSelection:
     the layer's prefill rows are its real ones then padding, its decodes after them, and it leaves `rows` prefill
     rows (its `num_kept` real ones first, then padding that stores nothing) and the decodes."""
     row_segment: torch.Tensor    # int64 [prefill rows in]: each row's segment; padding rows the last, which keeps none
+    segment_start: torch.Tensor  # int64 [S]: each segment's first row (segments are contiguous, in order)
     segment_keep: torch.Tensor   # int64 [S]: rows each segment keeps (a whole one: all of its rows)
     num_kept: torch.Tensor       # int64 [1]: the real prefill rows kept
     rows: int                    # prefill rows out: num_kept or more
@@ -126,11 +127,10 @@ def select_padded(sel: PaddedSelection, deviation: torch.Tensor, placed: torch.T
     by_score = torch.sort(score, descending=True, stable=True).indices
     order = by_score[torch.sort(sel.row_segment[by_score], stable=True).indices]
     seg = sel.row_segment[order]
-    sizes = torch.zeros_like(sel.segment_keep).scatter_add_(0, sel.row_segment, torch.ones_like(sel.row_segment))
-    at = torch.arange(n, device=score.device)
-    rank = at - (torch.cumsum(sizes, 0) - sizes)[seg]
-    keep = torch.zeros(n, dtype=torch.bool, device=score.device).scatter_(0, order, rank < sel.segment_keep[seg])
-    rows = torch.sort(torch.where(keep, at, at + n)).indices[:sel.rows]
+    rank = torch.arange(n, device=score.device) - sel.segment_start[seg]
+    # kept rows ascending, then the others ascending: sort the rows with n added to those not kept
+    key = torch.sort(torch.where(rank < sel.segment_keep[seg], order, order + n)).values[:sel.rows]
+    rows = torch.where(key < n, key, key - n)
     decodes = torch.arange(n, deviation.shape[0], device=score.device)
     return torch.cat((rows, decodes)) if decodes.shape[0] else rows
 

@@ -34,8 +34,13 @@ class BlendJob:
     piece_rows: np.ndarray     # int64 [R]: each row's piece index
 
 
-def plan_blend(params: Blend, pieces: tuple[Piece, ...], start: int, pool, num_layers: int) -> BlendJob:
-    """The blend of a prompt made of `pieces` whose first `start` tokens are exact, against `pool`'s prefix cache."""
+def plan_blend(params: Blend, pieces: tuple[Piece, ...], start: int, pool, num_layers: int,
+               chain_pages=None) -> BlendJob:
+    """The blend of a prompt made of `pieces` whose first `start` tokens are exact, against `pool`'s prefix cache;
+    `chain_pages(chunk)` gives a chunk's cached pages (default: `pool.chain_pages` of its tokens)."""
+    if chain_pages is None:
+        def chain_pages(chunk):
+            return pool.chain_pages(chunk.token_ids)
     ps = pool.page_size
     lengths = np.array([p.num_tokens for p in pieces], np.int64)
     ends = np.cumsum(lengths)
@@ -49,7 +54,7 @@ def plan_blend(params: Blend, pieces: tuple[Piece, ...], start: int, pool, num_l
         if p.chunk is None:
             continue
         first = int(ends[j] - lengths[j])
-        pages = np.array(pool.chain_pages(p.chunk.token_ids), np.int64)
+        pages = np.array(chain_pages(p.chunk), np.int64)
         off = np.arange(len(pages) * ps)
         pos = first + off
         inside = (pos >= start) & (pos < total - 1)   # the prompt's last token gives the logits: always computed
