@@ -54,6 +54,63 @@ def test_every_mixed_step_within_the_budget_has_a_graph_that_holds_it_with_bound
     assert graphs.key_for(more) is None
 
 
+BLENDS = [Blend(0.3), Blend(1.0), Blend(0.0), Blend(0.25, "chunk-heads")]
+
+
+@settings(max_examples=max(1, settings().max_examples // 10), deadline=None)
+@example(family="qwen3", page_size=4, blend=Blend(0.3), docs=[13, 9, 17], requests=2, decoding=False)
+@example(family="llama", page_size=2, blend=Blend(0.3), docs=[8, 8, 8], requests=3, decoding=True)
+@example(family="gemma3_text", page_size=1, blend=Blend(0.25, "chunk-heads"), docs=[20, 5], requests=1,
+         decoding=True)
+@given(family=st.sampled_from(["qwen3", "gemma3_text", "llama", "mistral"]), page_size=st.sampled_from([1, 2, 4, 8]),
+       blend=st.sampled_from(BLENDS), docs=st.lists(st.integers(1, 24), min_size=1, max_size=4),
+       requests=st.integers(1, PREFILL_SEQS + 1), decoding=st.booleans())
+def test_blended_steps_over_a_blend_graphs_static_inputs_give_the_eager_steps_bits_in_deterministic_mode(
+        tiny_ckpt, family, page_size, blend, docs, requests, decoding):
+    """A whole blended step (layer 0, the check layers selecting on the device, the later layers), staged into its
+    blend graph's static inputs (rows padded to the key's buckets, decodes beside the prefills moved past them) and
+    run eagerly, gives the eager step's logits and its last layer's rows bit for bit, with and without decodes in
+    the step; steps no blend graph holds (more prefills than PREFILL_SEQS) stay eager."""
+    path = str(tiny_ckpt(family, num_hidden_layers=6))   # check layers 1..3, then a tail of two
+    eng = Engine(path, dtype="float32", device="cpu", page_size=page_size, num_pages=400, max_model_len=192,
+                 max_num_batched_tokens=512, deterministic=True, split_kv_threshold=0)
+    runner = eng.executor.runner
+    blend_graphs, eager, staged = runner.blend_graphs, runner.forward, []
+
+    def forward(host):
+        blend_graphs.max_rows = 0
+        logits, _ = eager(host)
+        blend_graphs.max_rows = 512
+        if host.row_plan is None or blend_graphs.key_for(host) is None:
+            return logits, None
+        rows, eager_kept = runner._upload_rows(host.row_plan), runner.last_row_plan.kept
+        static, kept = blend_graphs.static_forward(host, runner.tables.table, runner.last_tokens,
+                                                   lambda: runner.model.place(rows, runner.kv.layers))
+        key = blend_graphs.key_for(host)
+        assert torch.equal(static, logits), key
+        assert torch.equal(kept, eager_kept[:len(kept)]), key
+        staged.append((key, len(host.rows) - host.num_prefill))
+        return static, None
+    runner.forward = forward
+    chunks = [eng.register_chunk([(5 * i + 7 * n) % (VOCAB - 3) + 3 for i in range(n)]) for n in docs]
+    prompts = [[[3 + j], *chunks[j % len(chunks):], *chunks[:j % len(chunks)], [4, 5 + j]] for j in range(requests)]
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    first = []
+    if decoding:   # a plain request decodes while the blended ones prefill: its decode rides in their step
+        first.append(eng.add_request([9, 10, 11], SamplingParams(max_tokens=8, ignore_eos=True)))
+        eng.step()
+    ids = first + [eng.add_request(p, params, reuse=blend) for p in prompts]
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o.output for o in eng.step() if o.finished})
+    assert not any(done[i].error for i in ids), [done[i].error for i in ids]
+    if requests <= PREFILL_SEQS:
+        assert staged, "no blended step was staged"
+        assert any(d for _, d in staged) == decoding, staged
+    else:
+        assert not staged, staged
+
+
 CHUNKS = dict(max_num_seqs=st.integers(1, 5), budget=st.integers(3, 24), graph_tokens=st.integers(1, 40),
               page_size=st.integers(1, 8), lens=st.lists(st.integers(1, 30), min_size=1, max_size=5),
               overlap=st.booleans())
@@ -196,60 +253,3 @@ def test_blended_prefills_replay_blend_graphs_with_the_eager_engines_bits_in_det
     assert launches["blend", "graph"] > 0 and not eager_launches["blend", "graph"], launches
     assert tokens == eager_tokens
     assert all(torch.equal(a, b) for a, b in zip(kv, eager_kv))
-
-
-BLENDS = [Blend(0.3), Blend(1.0), Blend(0.0), Blend(0.25, "chunk-heads")]
-
-
-@settings(max_examples=max(1, settings().max_examples // 10), deadline=None)
-@example(family="qwen3", page_size=4, blend=Blend(0.3), docs=[13, 9, 17], requests=2, decoding=False)
-@example(family="llama", page_size=2, blend=Blend(0.3), docs=[8, 8, 8], requests=3, decoding=True)
-@example(family="gemma3_text", page_size=1, blend=Blend(0.25, "chunk-heads"), docs=[20, 5], requests=1,
-         decoding=True)
-@given(family=st.sampled_from(["qwen3", "gemma3_text", "llama", "mistral"]), page_size=st.sampled_from([1, 2, 4, 8]),
-       blend=st.sampled_from(BLENDS), docs=st.lists(st.integers(1, 24), min_size=1, max_size=4),
-       requests=st.integers(1, PREFILL_SEQS + 1), decoding=st.booleans())
-def test_blended_steps_over_a_blend_graphs_static_inputs_give_the_eager_steps_bits_in_deterministic_mode(
-        tiny_ckpt, family, page_size, blend, docs, requests, decoding):
-    """A whole blended step (layer 0, the check layers selecting on the device, the later layers), staged into its
-    blend graph's static inputs (rows padded to the key's buckets, decodes beside the prefills moved past them) and
-    run eagerly, gives the eager step's logits and its last layer's rows bit for bit, with and without decodes in
-    the step; steps no blend graph holds (more prefills than PREFILL_SEQS) stay eager."""
-    path = str(tiny_ckpt(family, num_hidden_layers=6))   # check layers 1..3, then a tail of two
-    eng = Engine(path, dtype="float32", device="cpu", page_size=page_size, num_pages=400, max_model_len=192,
-                 max_num_batched_tokens=512, deterministic=True, split_kv_threshold=0)
-    runner = eng.executor.runner
-    blend_graphs, eager, staged = runner.blend_graphs, runner.forward, []
-
-    def forward(host):
-        blend_graphs.max_rows = 0
-        logits, _ = eager(host)
-        blend_graphs.max_rows = 512
-        if host.row_plan is None or blend_graphs.key_for(host) is None:
-            return logits, None
-        rows, eager_kept = runner._upload_rows(host.row_plan), runner.last_row_plan.kept
-        static, kept = blend_graphs.static_forward(host, runner.tables.table, runner.last_tokens,
-                                                   lambda: runner.model.place(rows, runner.kv.layers))
-        key = blend_graphs.key_for(host)
-        assert torch.equal(static, logits), key
-        assert torch.equal(kept, eager_kept[:len(kept)]), key
-        staged.append((key, len(host.rows) - host.num_prefill))
-        return static, None
-    runner.forward = forward
-    chunks = [eng.register_chunk([(5 * i + 7 * n) % (VOCAB - 3) + 3 for i in range(n)]) for n in docs]
-    prompts = [[[3 + j], *chunks[j % len(chunks):], *chunks[:j % len(chunks)], [4, 5 + j]] for j in range(requests)]
-    params = SamplingParams(max_tokens=3, ignore_eos=True)
-    first = []
-    if decoding:   # a plain request decodes while the blended ones prefill: its decode rides in their step
-        first.append(eng.add_request([9, 10, 11], SamplingParams(max_tokens=8, ignore_eos=True)))
-        eng.step()
-    ids = first + [eng.add_request(p, params, reuse=blend) for p in prompts]
-    done = {}
-    while eng.has_unfinished():
-        done.update({o.request_id: o.output for o in eng.step() if o.finished})
-    assert not any(done[i].error for i in ids), [done[i].error for i in ids]
-    if requests <= PREFILL_SEQS:
-        assert staged, "no blended step was staged"
-        assert any(d for _, d in staged) == decoding, staged
-    else:
-        assert not staged, staged
