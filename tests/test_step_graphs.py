@@ -54,11 +54,49 @@ def test_every_mixed_step_within_the_budget_has_a_graph_that_holds_it_with_bound
     assert graphs.key_for(more) is None
 
 
+def test_a_blend_graph_holds_a_row_planned_step_of_up_to_its_rows_prefills_and_decodes_and_no_more():
+    """BlendGraphs.key_for at its limits: max_rows rows (decodes included) run and one more is refused, PREFILL_SEQS
+    prefills run and one more is refused, as many decodes as the runner's sequences run and one more is refused, a
+    step with cascade groups or no row plan is refused, and max_rows 0 is off; each check layer's kept rows are
+    bucketed and never more than the rows before it."""
+    from chunkwise.engine.blend_graphs import BlendGraphs
+    from chunkwise.engine.row_plan import HostRows
+
+    graphs = BlendGraphs(None, None, max_pages_per_seq=4, max_decodes=4, device=torch.device("cpu"))
+    graphs.max_rows = 100
+
+    def step(rows, prefills=1, decodes=0, kept=(70, 40, 20)):
+        host = synthetic_step([rows // prefills] * (prefills - 1) + [rows - rows // prefills * (prefills - 1)],
+                              decodes)
+        checks = {i + 1: ([], np.array([0, k], np.int32)) for i, k in enumerate(kept)}
+        empty = np.zeros(0, np.int64)
+        host.row_plan = HostRows(empty, empty, empty, np.zeros(rows + decodes, bool), checks)
+        return host
+
+    assert graphs.key_for(step(100)) == (tail_bucket(100), 0, (1, 2, 3), (tail_bucket(70), 64, 32))
+    assert graphs.key_for(step(101)) is None and graphs.key_for(step(99, decodes=2)) is None
+    assert graphs.key_for(step(96, decodes=3)) == (tail_bucket(96), 4, (1, 2, 3), (tail_bucket(70), 64, 32))
+    assert graphs.key_for(step(40, PREFILL_SEQS, kept=())) == (64, 0, (), ())
+    assert graphs.key_for(step(40, PREFILL_SEQS + 1)) is None
+    assert graphs.key_for(step(40, decodes=4))[1] == 4 and graphs.key_for(step(40, decodes=5)) is None
+    for rows in range(1, 101):
+        (r, _, _, kept) = graphs.key_for(step(rows, kept=(rows, max(1, rows // 2), 1)))
+        assert r >= rows and r >= kept[0] >= kept[1] >= kept[2] >= 1
+    cascade = step(40, decodes=2)
+    cascade.cascade = object()
+    assert graphs.key_for(cascade) is None
+    plain = step(40)
+    plain.row_plan = None
+    assert graphs.key_for(plain) is None
+    graphs.max_rows = 0   # graphs off
+    assert graphs.key_for(step(40)) is None
+
+
 BLENDS = [Blend(0.3), Blend(1.0), Blend(0.0), Blend(0.25, "chunk-heads")]
 
 
-@settings(max_examples=max(1, settings().max_examples // 10), deadline=None)
-@example(family="qwen3", page_size=4, blend=Blend(0.3), docs=[13, 9, 17], requests=2, decoding=False)
+@settings(max_examples=max(1, settings().max_examples // 10), deadline=None, report_multiple_bugs=False)
+@example(family="qwen3", page_size=4, blend=Blend(0.3), docs=[9, 6], requests=2, decoding=False)
 @example(family="llama", page_size=2, blend=Blend(0.3), docs=[8, 8, 8], requests=3, decoding=True)
 @example(family="gemma3_text", page_size=1, blend=Blend(0.25, "chunk-heads"), docs=[20, 5], requests=1,
          decoding=True)
@@ -159,44 +197,6 @@ def test_every_tail_bucket_holds_its_rows_with_bounded_padding():
         rows = tail_bucket(n)
         assert n <= rows < n + (ROWS_STEP if n <= 512 else 256) and (rows % 16 == 0)
     assert len({tail_bucket(n) for n in range(1, 8193)}) == 2 + 8 + 30   # 16, 32, 64..512 by 64, then by 256
-
-
-def test_a_blend_graph_holds_a_row_planned_step_of_up_to_its_rows_prefills_and_decodes_and_no_more():
-    """BlendGraphs.key_for at its limits: max_rows rows (decodes included) run and one more is refused, PREFILL_SEQS
-    prefills run and one more is refused, as many decodes as the runner's sequences run and one more is refused, a
-    step with cascade groups or no row plan is refused, and max_rows 0 is off; each check layer's kept rows are
-    bucketed and never more than the rows before it."""
-    from chunkwise.engine.blend_graphs import BlendGraphs
-    from chunkwise.engine.row_plan import HostRows
-
-    graphs = BlendGraphs(None, None, max_pages_per_seq=4, max_decodes=4, device=torch.device("cpu"))
-    graphs.max_rows = 100
-
-    def step(rows, prefills=1, decodes=0, kept=(70, 40, 20)):
-        host = synthetic_step([rows // prefills] * (prefills - 1) + [rows - rows // prefills * (prefills - 1)],
-                              decodes)
-        checks = {i + 1: ([], np.array([0, k], np.int32)) for i, k in enumerate(kept)}
-        empty = np.zeros(0, np.int64)
-        host.row_plan = HostRows(empty, empty, empty, np.zeros(rows + decodes, bool), checks)
-        return host
-
-    assert graphs.key_for(step(100)) == (tail_bucket(100), 0, (1, 2, 3), (tail_bucket(70), 64, 32))
-    assert graphs.key_for(step(101)) is None and graphs.key_for(step(99, decodes=2)) is None
-    assert graphs.key_for(step(96, decodes=3)) == (tail_bucket(96), 4, (1, 2, 3), (tail_bucket(70), 64, 32))
-    assert graphs.key_for(step(40, PREFILL_SEQS, kept=())) == (64, 0, (), ())
-    assert graphs.key_for(step(40, PREFILL_SEQS + 1)) is None
-    assert graphs.key_for(step(40, decodes=4))[1] == 4 and graphs.key_for(step(40, decodes=5)) is None
-    for rows in range(1, 101):
-        (r, _, _, kept) = graphs.key_for(step(rows, kept=(rows, max(1, rows // 2), 1)))
-        assert r >= rows and r >= kept[0] >= kept[1] >= kept[2] >= 1
-    cascade = step(40, decodes=2)
-    cascade.cascade = object()
-    assert graphs.key_for(cascade) is None
-    plain = step(40)
-    plain.row_plan = None
-    assert graphs.key_for(plain) is None
-    graphs.max_rows = 0   # graphs off
-    assert graphs.key_for(step(40)) is None
 
 
 @pytest.mark.gpu

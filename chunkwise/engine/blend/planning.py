@@ -46,23 +46,26 @@ def plan_blend(params: Blend, pieces: tuple[Piece, ...], start: int, pool, num_l
     ends = np.cumsum(lengths)
     total = int(ends[-1])
     rows = total - start
+    # Every chunk piece's cached tokens at once (a Python step per piece, none per token or page): their
+    # positions ascend with the pieces, so the candidates come out in row order.
+    chunked = [j for j, p in enumerate(pieces) if p.chunk is not None]
+    chains = [np.asarray(chain_pages(pieces[j].chunk), np.int64) for j in chunked]
+    num_pages = np.array([len(c) for c in chains], np.int64)
+    tokens = num_pages * ps
+    owner = np.repeat(np.arange(len(chains)), tokens)           # each cached token's chunk piece (of `chunked`)
+    off = np.arange(int(tokens.sum())) - np.repeat(np.cumsum(tokens) - tokens, tokens)   # its offset in its chunk
+    firsts = (ends - lengths)[chunked]
+    pos = firsts[owner] + off
+    inside = (pos >= start) & (pos < total - 1)   # the prompt's last token gives the logits: always computed
+    owner, off, idx = owner[inside], off[inside], pos[inside] - start
+    pages = np.concatenate(chains) if chains else np.zeros(0, np.int64)
+    page_at = np.cumsum(num_pages) - num_pages                  # each chain's first page in `pages`
+    src = pages[page_at[owner] + off // ps] * ps + off % ps
+    heads = np.array([math.floor(params.recompute_ratio * pieces[j].num_tokens + 0.5) for j in chunked], np.int64)
     candidate = np.zeros(rows, bool)
-    src = np.full(rows, -1, np.int64)
-    delta = np.zeros(rows, np.int64)
+    candidate[idx] = True
     head = np.zeros(rows, bool)
-    for j, p in enumerate(pieces):
-        if p.chunk is None:
-            continue
-        first = int(ends[j] - lengths[j])
-        pages = np.array(chain_pages(p.chunk), np.int64)
-        off = np.arange(len(pages) * ps)
-        pos = first + off
-        inside = (pos >= start) & (pos < total - 1)   # the prompt's last token gives the logits: always computed
-        idx = pos[inside] - start
-        candidate[idx] = True
-        src[idx] = pages[off[inside] // ps] * ps + off[inside] % ps
-        delta[idx] = first
-        head[idx] = off[inside] < math.floor(params.recompute_ratio * p.num_tokens + 0.5)
+    head[idx] = off < heads[owner]
     n = int(candidate.sum())
     layers: tuple[int, ...] = ()
     kept: tuple[int, ...] = ()
@@ -76,5 +79,5 @@ def plan_blend(params: Blend, pieces: tuple[Piece, ...], start: int, pool, num_l
         kept = tuple(np.minimum.accumulate([num_kept(x, n) for x in check_ratios(params.recompute_ratio,
                                                                                    num_layers)]).tolist())
     piece_rows = np.repeat(np.arange(len(pieces)), lengths)[start:]
-    return BlendJob(params, start, RowPlan(computed, candidate, src[candidate], delta[candidate], layers, kept),
+    return BlendJob(params, start, RowPlan(computed, candidate, src, firsts[owner], layers, kept),
                     piece_rows)
