@@ -212,10 +212,11 @@ class PagePool:
         if need > self.num_free_pages:
             raise ValueError(f"sequence {seq.seq_id} needs {need} new pages for {num_new_tokens} tokens, "
                              f"only {self.num_free_pages} are free (call can_allocate first)")
-        for _ in range(need):
-            page = self.pages[self._take_page()]
-            page.ref_count = 1
-            self._record(seq, page.page_id)
+        taken = [self._take_page() for _ in range(need)]   # in bulk: a long prompt takes hundreds of pages
+        for page_id in taken:
+            self.pages[page_id].ref_count = 1
+        self._new.setdefault(seq.seq_id, (len(seq.page_table), []))[1].extend(taken)
+        seq.page_table.extend(taken)
 
     def _record(self, seq: Sequence, page_id: int) -> None:
         """Append page_id to seq's page table, and to the pages take_changes reports next."""
