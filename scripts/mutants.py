@@ -1025,11 +1025,11 @@ MUTANTS = [
            "the conversation's"),
     # ---- h47cpu (issue 47): the benchmarks' CPU tier through Engine.model_class, and the CLI's one-line usage errors
     # (killed by tests/test_bench_host.py and tests/test_cli.py)
-    Mutant("stand_in_forward_without_tail", "chunkwise/engine/stand_in_model.py::HashLogitsModel.forward",
-           "                tail: Callable[[LayerState], torch.Tensor | None] | None = None) -> torch.Tensor:\n",
-           "                ) -> torch.Tensor:\n",
-           "the stand-in forward keeps an older signature than Model.forward (no tail=): every host-only step fails "
-           "with a TypeError, as bench_host.py's lambda did"),
+    Mutant("stand_in_forward_without_place", "chunkwise/engine/stand_in_model.py::HashLogitsModel.forward",
+           "def forward(self, inp: StepInputs, kv_caches: LayerCaches, place: bool = True) -> torch.Tensor:",
+           "def forward(self, inp: StepInputs, kv_caches: LayerCaches) -> torch.Tensor:",
+           "the stand-in forward keeps an older signature than Model.forward (no place=): a blend graph's forward "
+           "of a host-only engine fails with a TypeError"),
     Mutant("bench_loop_misses_failed_steps", "benchmarks/bench_host.py::checked",
            '    failed = [o for o in outputs if o.finish_reason == "error"]',
            '    failed = [o for o in outputs if o.finish_reason == "failed"]',
@@ -1159,6 +1159,11 @@ MUTANTS = [
            "if real > self.max_rows or d > self.max_decodes:",
            "a blend graph takes a step whose prefill rows fit but whose decodes beside them do not: more rows than "
            "the graphs were sized for"),
+    Mutant("blend_chain_reused_while_its_pages_hold_other_tokens", "chunkwise/engine/page_pool.py::PagePool.still_cached",
+           "return all(pages[page_id].hash is h for page_id, h in chain)",
+           "return all(pages[page_id].hash is not None for page_id, h in chain)",
+           "a remembered chunk chain counts as still cached while its pages are cached at all: once evicted and "
+           "taken by another prompt, a blend places that prompt's K/V as the chunk's"),
 ]
 
 
