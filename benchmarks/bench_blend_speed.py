@@ -12,7 +12,7 @@ registered documents of 512 random tokens, each pinned. Two cases, each after a 
   ttft    a composed request: 8 documents in a fresh random order + a 64-token question, max_tokens 1; the median
           over REPS requests of the time to its first token, exact mode (reuses only the first document, which
           opens the prompt) against blend at r = 0.15 (kv-deviation and chunk-heads), and the blends again with
-          their tail graphs off (the layers after the check layers eager, as before those graphs).
+          their blend graphs off (the whole blended step eager, as before those graphs).
   rag     256 requests, each 4 of the 20 documents in random order + a 64-token question, 128 output tokens
           (ignore_eos), all submitted at once: output tokens/s. Decode-bound: no reuse mode can gain much here.
   prefill-bound RAG
@@ -125,14 +125,14 @@ def test_ttft_of_a_composed_request(benchmark, setup, ceilings, ckpt):
     prompt_len = TTFT_DOCS * DOC_LEN + QUESTION_LEN
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     out = {}
-    graphs = eng.executor.runner.graphs
-    tail_rows = graphs.tail_rows
-    # The blends again with their layers after the check layers run eagerly (no tail graph): the same-run baseline
-    # of the tail graphs (chunkwise/engine/cuda_graphs.py).
-    runs = [(name, mode, tail_rows) for name, mode in MODES.items()]
-    runs += [(f"{name}, eager tail", mode, 0) for name, mode in MODES.items() if isinstance(mode, Blend)]
+    graphs = eng.executor.runner.blend_graphs
+    max_rows = graphs.max_rows
+    # The blends again eagerly (no blend graph): the same-run baseline of the blend graphs
+    # (chunkwise/engine/blend_graphs.py).
+    runs = [(name, mode, max_rows) for name, mode in MODES.items()]
+    runs += [(f"{name}, eager", mode, 0) for name, mode in MODES.items() if isinstance(mode, Blend)]
     for name, mode, rows in runs:
-        graphs.tail_rows = rows
+        graphs.max_rows = rows
         prompt, reuse_mode = as_mode(composed(docs, rng, TTFT_DOCS, vocab), mode)
         eng.generate([prompt], one, reuse=reuse_mode, use_tqdm=False)   # warm-up: every specialisation
         times, roofs = [], []
@@ -153,7 +153,7 @@ def test_ttft_of_a_composed_request(benchmark, setup, ceilings, ckpt):
         steps = {f"{kind} {path}": n for (kind, path), n in sorted((eng.executor.runner.launches - launches).items())}
         out[name] = dict(ttft_ms=1e3 * ttft, roofline_ms=1e3 * roof, pct_roofline=100 * roof / ttft,
                          reuse_exact_blended_recomputed=counts, steps=steps)
-    graphs.tail_rows = tail_rows
+    graphs.max_rows = max_rows
     for name, r in out.items():
         r["vs_plain"] = r["ttft_ms"] / out["plain"]["ttft_ms"]
         print(f"[ttft] {name}: {r['ttft_ms']:.1f} ms, {r['vs_plain']:.2f}x the plain prompt's TTFT "

@@ -378,8 +378,8 @@ MUTANTS = [
            'relocating K to new positions rotates it by -delta instead of delta'),
     # Blend mode (chunkwise/engine/blend.py and its place in the step)
     Mutant('blend_rerotates_chunks_by_their_start_minus_one', 'chunkwise/engine/blend/planning.py::plan_blend',
-           '        delta[idx] = first - n_ctx\n',
-           '        delta[idx] = first - n_ctx - 1\n',
+           'firsts[owner] - n_ctx[owner], layers, kept',
+           'firsts[owner] - n_ctx[owner] - 1, layers, kept',
            "a placed chunk's K are rotated to one position before their new one"),
     Mutant('blend_attention_takes_kept_rows_as_the_sequences_last', 'chunkwise/engine/model.py::Model._attention',
            '                            positions=inp.positions[:p] if inp.explicit_positions else None,',
@@ -403,17 +403,9 @@ MUTANTS = [
            '        base = tl.load(layers_ptr + tl.program_id(1)) * layer_stride',
            '        base = tl.program_id(1).to(tl.int64) * layer_stride',
            "the one-launch relocation moves layers 0..m-1 instead of the layers it was given (Gemma's local ones)"),
-    Mutant('blend_tail_graph_takes_steps_with_decodes', 'chunkwise/engine/cuda_graphs.py::StepGraphs.tail_key',
-           '        if (not self.tail_rows or inp.decode_seq_lens.shape[0] or inp.seq_lens.shape[0] > PREFILL_SEQS\n',
-           '        if (not self.tail_rows or inp.seq_lens.shape[0] > PREFILL_SEQS\n',
-           "a blended step with decodes beside it replays a tail graph, which holds prefill rows only"),
-    Mutant('blend_tail_graph_never_stages_the_residual', 'chunkwise/engine/cuda_graphs.py::StepGraphs._stage_tail',
-           '        for a, b, pad in ((state.h, static.h, 0), (state.residual, static.residual, 0),\n',
-           '        for a, b, pad in ((state.h, static.h, 0),\n',
-           "a tail graph's residual stream is never staged: its layers add to the last step's residual (or zeros)"),
     Mutant('chunk_heads_counts_heads_from_the_exact_prefix', 'chunkwise/engine/blend/planning.py::plan_blend',
-           '        head[idx] = off[inside] - n_ctx < math.floor(params.recompute_ratio * p.num_tokens + 0.5)\n',
-           '        head[idx] = pos[inside] - start < math.floor(params.recompute_ratio * p.num_tokens + 0.5)\n',
+           '    head[idx] = off < heads[owner]\n',
+           '    head[idx] = idx < heads[owner]\n',
            "chunk-heads recomputes the prompt's first tokens after the exact prefix, not each chunk's first tokens"),
     Mutant('add_rms_norm_does_not_store_the_residual', 'chunkwise/kernels/fused_norm.py::add_residual',
            '    tl.store(res_out_ptr + offs, s, mask=mask)\n',
@@ -1034,11 +1026,11 @@ MUTANTS = [
            "the conversation's"),
     # ---- h47cpu (issue 47): the benchmarks' CPU tier through Engine.model_class, and the CLI's one-line usage errors
     # (killed by tests/test_bench_host.py and tests/test_cli.py)
-    Mutant("stand_in_forward_without_tail", "chunkwise/engine/stand_in_model.py::HashLogitsModel.forward",
-           "                tail: Callable[[LayerState], torch.Tensor | None] | None = None) -> torch.Tensor:\n",
-           "                ) -> torch.Tensor:\n",
-           "the stand-in forward keeps an older signature than Model.forward (no tail=): every host-only step fails "
-           "with a TypeError, as bench_host.py's lambda did"),
+    Mutant("stand_in_forward_without_place", "chunkwise/engine/stand_in_model.py::HashLogitsModel.forward",
+           "def forward(self, inp: StepInputs, kv_caches: LayerCaches, place: bool = True) -> torch.Tensor:",
+           "def forward(self, inp: StepInputs, kv_caches: LayerCaches) -> torch.Tensor:",
+           "the stand-in forward keeps an older signature than Model.forward (no place=): a blend graph's forward "
+           "of a host-only engine fails with a TypeError"),
     Mutant("bench_loop_misses_failed_steps", "benchmarks/bench_host.py::checked",
            '    failed = [o for o in outputs if o.finish_reason == "error"]',
            '    failed = [o for o in outputs if o.finish_reason == "failed"]',
@@ -1210,17 +1202,17 @@ MUTANTS = [
            "the padding of shorter prompts): its log-probabilities are no longer the reference's extend"),
     # ---- h50ctx: chunks computed under a context (issue #50 §1) ----
     Mutant("conditioned_chunk_moved_by_its_start", "chunkwise/engine/blend/planning.py::plan_blend",
-           "        delta[idx] = first - n_ctx\n",
-           "        delta[idx] = first\n",
+           "firsts[owner] - n_ctx[owner], layers, kept",
+           "firsts[owner], layers, kept",
            "a chunk registered after a context is re-rotated by its new start, as an isolated chunk is, though its K "
            "already sit len(context) positions on: they land len(context) positions too far"),
     Mutant("reference_conditioned_chunk_moved_by_its_start", "chunkwise/reference/blend.py::blend_prefill",
            "placed_kv(model, k_var, v_var, start - n_ctx)",
            "placed_kv(model, k_var, v_var, start)",
            "the reference blend moves a conditioned chunk by its start instead of (start - context length)"),
-    Mutant("variant_pages_looked_up_without_their_context", "chunkwise/engine/blend/planning.py::plan_blend",
-           "pool.chain_pages(p.context.token_ids + p.chunk.token_ids)",
-           "pool.chain_pages(p.chunk.token_ids)",
+    Mutant("variant_pages_looked_up_without_their_context", "chunkwise/engine/blend/blender.py::Blender._chain_pages",
+           "ids = piece.context.token_ids + piece.chunk.token_ids",
+           "ids = piece.chunk.token_ids",
            "blend mode looks a variant's pages up under the chunk's own ids alone: it places the isolated pages' "
            "K/V (or none) where the prompt's context asked for the conditioned ones"),
     Mutant("variant_chosen_without_matching_the_prompt", "chunkwise/chunks.py::ChunkRegistry.variant",
@@ -1259,6 +1251,26 @@ MUTANTS = [
            "        for rid in stopped:\n",
            "a request a stop string ended is aborted in the core one step late: the core computes a token nobody "
            "receives, holding its pages a step longer"),
+    # ---- h49graph: blend graphs (issue #49 §2: a blended prefill's whole step replays one CUDA graph) ----
+    Mutant("blend_graph_stages_one_kept_row_too_many", "chunkwise/engine/blend_graphs.py::BlendGraphs.stage",
+           "out[:len(segments)] = [n if k < 0 else k for _, n, k in segments]",
+           "out[:len(segments)] = [n if k < 0 else k + 1 for _, n, k in segments]",
+           "a blend graph stages each selecting segment's kept rows one too many: its check layers keep a row the "
+           "eager step drops, and the rows after them attend to K/V the eager step never computed"),
+    Mutant("blend_graph_stages_the_segments_shifted", "chunkwise/engine/blend_graphs.py::BlendGraphs.stage",
+           "out[:before], out[before:] = np.repeat(np.arange(len(segments)), sizes)[:before], SEGMENTS - 1",
+           "out[:before], out[before:] = np.repeat(np.arange(len(segments)), sizes)[1:before + 1], SEGMENTS - 1",
+           "a blend graph stages each row's segment one row early: a segment's first row ranks in the one before it"),
+    Mutant("blend_graph_holds_more_rows_than_its_budget", "chunkwise/engine/blend_graphs.py::BlendGraphs.key_for",
+           "if real + d > self.max_rows or d > self.max_decodes:",
+           "if real > self.max_rows or d > self.max_decodes:",
+           "a blend graph takes a step whose prefill rows fit but whose decodes beside them do not: more rows than "
+           "the graphs were sized for"),
+    Mutant("blend_chain_reused_while_its_pages_hold_other_tokens", "chunkwise/engine/page_pool.py::PagePool.still_cached",
+           "return all(pages[page_id].hash is h for page_id, h in chain)",
+           "return all(pages[page_id].hash is not None for page_id, h in chain)",
+           "a remembered chunk chain counts as still cached while its pages are cached at all: once evicted and "
+           "taken by another prompt, a blend places that prompt's K/V as the chunk's"),
 ]
 
 

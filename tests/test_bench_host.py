@@ -43,7 +43,7 @@ def test_the_host_only_engine_prefills_every_prompt_then_decodes_every_sequence_
 
 
 class FailingModel(HashLogitsModel):
-    def forward(self, inp, kv_caches, tail=None):
+    def forward(self, inp, kv_caches, place=True):
         raise RuntimeError("the forward broke")
 
 

@@ -19,7 +19,7 @@ from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
-from chunkwise.chunks import Blend, Chunk
+from chunkwise.chunks import NO_CONTEXT, Blend, Chunk, ChunkContext, Piece
 from chunkwise.engine import Engine, SamplingParams
 from chunkwise.engine.blend import check_ratios, num_kept
 from chunkwise.reference import Engine as RefEngine
@@ -264,3 +264,41 @@ def test_blended_prefills_join_overlapped_decodes_and_every_request_gets_its_own
     while eng.has_unfinished():
         done.update({o.request_id: o.output for o in eng.step() if o.finished})
     assert [done[i].token_ids for i in ids] == alone, [done[i].error for i in ids]
+
+
+def test_a_remembered_chunk_chain_is_reused_while_cached_and_resolved_again_once_evicted():
+    """Blender._chain_pages remembers a chunk's whole chain of cached pages (host work O(pieces) per request), and
+    gives it back only while each page is still cached under the same hash: evicted and re-cached, or taken by
+    another prompt, the chunk's pages are looked up again from its tokens."""
+    from chunkwise.engine.blend import Blender
+    from chunkwise.engine.page_pool import PagePool
+    from chunkwise.engine.sequence import Sequence
+
+    pool, blender = PagePool(6, 4), Blender(LAYERS)
+    ids = seeded_ids(9, "chain")   # two full pages and a tail
+    piece = Piece(Chunk(tuple(ids), 7, "engine"), len(ids))   # its isolated variant (NO_CONTEXT)
+    key = 7, NO_CONTEXT
+
+    def compute(seq_id, prompt):
+        seq = Sequence(seq_id, prompt)
+        pool.match_prefix(seq)
+        pool.allocate(seq, seq.num_uncomputed_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        pool.commit(seq)
+        pool.free(seq)
+
+    compute(0, ids)
+    first = blender._chain_pages(piece, pool)
+    assert first == pool.chain_pages(ids) and len(first) == 2 and key in blender.chains
+    assert blender._chain_pages(piece, pool) == first   # remembered, still cached
+    compute(1, seeded_ids(24, "evicts"))   # six pages: every cached page of the chunk is evicted
+    assert pool.chain_pages(ids) == [] and blender._chain_pages(piece, pool) == []
+    assert key not in blender.chains
+    compute(2, ids)   # cached again (new hashes): resolved again, then remembered
+    assert blender._chain_pages(piece, pool) == pool.chain_pages(ids) and len(pool.chain_pages(ids)) == 2
+    context = seeded_ids(3, "context")   # a variant: its chain is context + chunk's, remembered under its context
+    compute(3, context + ids)
+    after = Piece(piece.chunk, len(ids), ChunkContext(tuple(context)))
+    assert blender._chain_pages(after, pool) == pool.chain_pages(context + ids)
+    assert len(pool.chain_pages(context + ids)) == 3
+    assert (7, after.context) in blender.chains

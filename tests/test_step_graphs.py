@@ -5,6 +5,7 @@ No graph is captured on the CPU; what a replay computes is run eagerly over the 
 changes no real row, so each step's logits must equal the eager step's bit for bit, and the engine, going on
 with them, must generate the reference's tokens. The bucket arithmetic is checked on its own: every step within
 the budget has a graph, whose padding is bounded."""
+import numpy as np
 import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
@@ -51,6 +52,101 @@ def test_every_mixed_step_within_the_budget_has_a_graph_that_holds_it_with_bound
     assert graphs.seg >= rows + dp and graphs.seg >= graphs.prefill_seqs + dp
     more = synthetic_step([1] * (graphs.prefill_seqs + 1), min(decodes, n))   # too many prefilling sequences
     assert graphs.key_for(more) is None
+
+
+def test_a_blend_graph_holds_a_row_planned_step_of_up_to_its_rows_prefills_and_decodes_and_no_more():
+    """BlendGraphs.key_for at its limits: max_rows rows (decodes included) run and one more is refused, PREFILL_SEQS
+    prefills run and one more is refused, as many decodes as the runner's sequences run and one more is refused, a
+    step with cascade groups or no row plan is refused, and max_rows 0 is off; each check layer's kept rows are
+    bucketed and never more than the rows before it."""
+    from chunkwise.engine.blend_graphs import BlendGraphs
+    from chunkwise.engine.row_plan import HostRows
+
+    graphs = BlendGraphs(None, None, max_pages_per_seq=4, max_decodes=4, device=torch.device("cpu"))
+    graphs.max_rows = 100
+
+    def step(rows, prefills=1, decodes=0, kept=(70, 40, 20)):
+        host = synthetic_step([rows // prefills] * (prefills - 1) + [rows - rows // prefills * (prefills - 1)],
+                              decodes)
+        checks = {i + 1: ([], np.array([0, k], np.int32)) for i, k in enumerate(kept)}
+        empty = np.zeros(0, np.int64)
+        host.row_plan = HostRows(empty, empty, empty, np.zeros(rows + decodes, bool), checks)
+        return host
+
+    assert graphs.key_for(step(100)) == (tail_bucket(100), 0, (1, 2, 3), (tail_bucket(70), 64, 32))
+    assert graphs.key_for(step(101)) is None and graphs.key_for(step(99, decodes=2)) is None
+    assert graphs.key_for(step(96, decodes=3)) == (tail_bucket(96), 4, (1, 2, 3), (tail_bucket(70), 64, 32))
+    assert graphs.key_for(step(40, PREFILL_SEQS, kept=())) == (64, 0, (), ())
+    assert graphs.key_for(step(40, PREFILL_SEQS + 1)) is None
+    assert graphs.key_for(step(40, decodes=4))[1] == 4 and graphs.key_for(step(40, decodes=5)) is None
+    for rows in range(1, 101):
+        (r, _, _, kept) = graphs.key_for(step(rows, kept=(rows, max(1, rows // 2), 1)))
+        assert r >= rows and r >= kept[0] >= kept[1] >= kept[2] >= 1
+    cascade = step(40, decodes=2)
+    cascade.cascade = object()
+    assert graphs.key_for(cascade) is None
+    plain = step(40)
+    plain.row_plan = None
+    assert graphs.key_for(plain) is None
+    graphs.max_rows = 0   # graphs off
+    assert graphs.key_for(step(40)) is None
+
+
+BLENDS = [Blend(0.3), Blend(1.0), Blend(0.0), Blend(0.25, "chunk-heads")]
+
+
+@settings(max_examples=max(1, settings().max_examples // 10), deadline=None, report_multiple_bugs=False)
+@example(family="qwen3", page_size=4, blend=Blend(0.3), docs=[9, 6], requests=2, decoding=False)
+@example(family="llama", page_size=2, blend=Blend(0.3), docs=[8, 8, 8], requests=3, decoding=True)
+@example(family="gemma3_text", page_size=1, blend=Blend(0.25, "chunk-heads"), docs=[20, 5], requests=1,
+         decoding=True)
+@given(family=st.sampled_from(["qwen3", "gemma3_text", "llama", "mistral"]), page_size=st.sampled_from([1, 2, 4, 8]),
+       blend=st.sampled_from(BLENDS), docs=st.lists(st.integers(1, 24), min_size=1, max_size=4),
+       requests=st.integers(1, PREFILL_SEQS + 1), decoding=st.booleans())
+def test_blended_steps_over_a_blend_graphs_static_inputs_give_the_eager_steps_bits_in_deterministic_mode(
+        tiny_ckpt, family, page_size, blend, docs, requests, decoding):
+    """A whole blended step (layer 0, the check layers selecting on the device, the later layers), staged into its
+    blend graph's static inputs (rows padded to the key's buckets, decodes beside the prefills moved past them) and
+    run eagerly, gives the eager step's logits and its last layer's rows bit for bit, with and without decodes in
+    the step; steps no blend graph holds (more prefills than PREFILL_SEQS) stay eager."""
+    path = str(tiny_ckpt(family, num_hidden_layers=6))   # check layers 1..3, then a tail of two
+    eng = Engine(path, dtype="float32", device="cpu", page_size=page_size, num_pages=400, max_model_len=192,
+                 max_num_batched_tokens=512, deterministic=True, split_kv_threshold=0)
+    runner = eng.executor.runner
+    blend_graphs, eager, staged = runner.blend_graphs, runner.forward, []
+
+    def forward(host):
+        blend_graphs.max_rows = 0
+        logits, _ = eager(host)
+        blend_graphs.max_rows = 512
+        if host.row_plan is None or blend_graphs.key_for(host) is None:
+            return logits, None
+        rows, eager_kept = runner._upload_rows(host.row_plan), runner.last_row_plan.kept
+        static, kept = blend_graphs.static_forward(host, runner.tables.table, runner.last_tokens,
+                                                   lambda: runner.model.place(rows, runner.kv.layers))
+        key = blend_graphs.key_for(host)
+        assert torch.equal(static, logits), key
+        assert torch.equal(kept, eager_kept[:len(kept)]), key
+        staged.append((key, len(host.rows) - host.num_prefill))
+        return static, None
+    runner.forward = forward
+    chunks = [eng.register_chunk([(5 * i + 7 * n) % (VOCAB - 3) + 3 for i in range(n)]) for n in docs]
+    prompts = [[[3 + j], *chunks[j % len(chunks):], *chunks[:j % len(chunks)], [4, 5 + j]] for j in range(requests)]
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    first = []
+    if decoding:   # a plain request decodes while the blended ones prefill: its decode rides in their step
+        first.append(eng.add_request([9, 10, 11], SamplingParams(max_tokens=8, ignore_eos=True)))
+        eng.step()
+    ids = first + [eng.add_request(p, params, reuse=blend) for p in prompts]
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o.output for o in eng.step() if o.finished})
+    assert not any(done[i].error for i in ids), [done[i].error for i in ids]
+    if requests <= PREFILL_SEQS:
+        assert staged, "no blended step was staged"
+        assert any(d for _, d in staged) == decoding, staged
+    else:
+        assert not staged, staged
 
 
 CHUNKS = dict(max_num_seqs=st.integers(1, 5), budget=st.integers(3, 24), graph_tokens=st.integers(1, 40),
@@ -103,88 +199,6 @@ def test_every_tail_bucket_holds_its_rows_with_bounded_padding():
     assert len({tail_bucket(n) for n in range(1, 8193)}) == 2 + 8 + 30   # 16, 32, 64..512 by 64, then by 256
 
 
-def test_a_tail_graph_holds_a_blend_of_up_to_its_rows_and_prefills_and_no_decodes_or_layers_past_the_last():
-    """tail_key at its limits: tail_rows rows run and one more is refused, PREFILL_SEQS prefills run and one more
-    is refused, a decode beside them is refused, and a state past the last layer has no tail to run."""
-    from types import SimpleNamespace
-
-    from chunkwise.engine.model import LayerState, StepInputs
-
-    graphs = graphs_for(512, 4, 512)
-    graphs.model, graphs.tail_rows = SimpleNamespace(layers=[None] * 6), 100
-
-    def state(rows, prefills=1, decodes=0, layer=4):
-        z = torch.zeros
-        inp = StepInputs(z(rows), z(rows), z(rows), z(prefills, 4), z(prefills), z(prefills + 1), z(decodes, 4),
-                         z(decodes), z(prefills), explicit_positions=True)
-        return LayerState(layer, z(rows, 8), z(rows, 8), inp)
-
-    assert graphs.tail_key(state(100)) == (4, tail_bucket(100)) and graphs.tail_key(state(101)) is None
-    assert graphs.tail_key(state(40, PREFILL_SEQS)) == (4, 64) and graphs.tail_key(state(40, PREFILL_SEQS + 1)) is None
-    assert graphs.tail_key(state(41, decodes=1)) is None
-    assert graphs.tail_key(state(40, layer=5)) == (5, 64) and graphs.tail_key(state(40, layer=6)) is None
-    graphs.tail_rows = 0   # graphs off
-    assert graphs.tail_key(state(40)) is None
-
-
-BLENDS = [Blend(0.3), Blend(1.0), Blend(0.0), Blend(0.25, "chunk-heads")]
-
-
-@settings(max_examples=max(1, settings().max_examples // 10), deadline=None)
-@example(family="qwen3", page_size=4, blend=Blend(0.3), docs=[13, 9, 17], requests=2, decoding=False)
-@example(family="gemma3_text", page_size=1, blend=Blend(0.25, "chunk-heads"), docs=[20, 5], requests=1,
-         decoding=False)
-@example(family="llama", page_size=2, blend=Blend(0.3), docs=[8, 8, 8], requests=PREFILL_SEQS + 1, decoding=False)
-@example(family="mistral", page_size=4, blend=Blend(0.3), docs=[12, 7], requests=2, decoding=True)
-@given(family=st.sampled_from(["qwen3", "gemma3_text", "llama", "mistral"]), page_size=st.sampled_from([1, 2, 4, 8]),
-       blend=st.sampled_from(BLENDS), docs=st.lists(st.integers(1, 24), min_size=1, max_size=4),
-       requests=st.integers(1, PREFILL_SEQS + 1), decoding=st.booleans())
-def test_blended_steps_tails_over_the_static_inputs_give_the_eager_tails_bits_in_deterministic_mode(
-        tiny_ckpt, family, page_size, blend, docs, requests, decoding):
-    """A blended step's layers after its check layers, staged into their tail graph's static inputs (padded to the
-    row bucket, PREFILL_SEQS sequences) and run eagerly, give the eager tail's logits bit for bit; steps no tail
-    graph holds (decodes beside the prefills, too many prefills) keep the eager tail, and the engine's tokens equal
-    an engine's without tails."""
-    path = str(tiny_ckpt(family, num_hidden_layers=6))   # check layers 1..3, then a tail of two
-    kw = dict(dtype="float32", device="cpu", page_size=page_size, num_pages=400, max_model_len=192,
-              max_num_batched_tokens=512, deterministic=True, split_kv_threshold=0)   # decodes are decode rows
-    outs = {}
-    for tails in (False, True):
-        eng = Engine(path, **kw)
-        graphs, staged = eng.executor.runner.graphs, []
-        if tails:
-            graphs.tail_rows = 512
-
-            def static_tail(state):
-                logits = graphs.static_tail(state)
-                if logits is not None:
-                    assert torch.equal(logits, graphs.model.tail(state, graphs.kv.layers)), graphs.tail_key(state)
-                    staged.append(graphs.tail_key(state))
-                return logits
-            graphs.replay_tail = static_tail
-        chunks = [eng.register_chunk([(5 * i + 7 * n) % (VOCAB - 3) + 3 for i in range(n)]) for n in docs]
-        prompts = [[[3 + j], *chunks[j % len(chunks):], *chunks[:j % len(chunks)], [4, 5 + j]]
-                   for j in range(requests)]
-        params = SamplingParams(max_tokens=3, ignore_eos=True)
-        first = []
-        if decoding:   # a plain request decodes while the blended ones prefill: no tail graph holds those steps
-            first.append(eng.add_request([9, 10, 11], SamplingParams(max_tokens=8, ignore_eos=True)))
-            eng.step()
-        ids = first + [eng.add_request(p, params, reuse=blend) for p in prompts]
-        done = {}
-        while eng.has_unfinished():
-            done.update({o.request_id: o.output for o in eng.step() if o.finished})
-        outs[tails] = [done[i].token_ids for i in ids]
-        assert not any(done[i].error for i in ids), [done[i].error for i in ids]
-        if tails:
-            layers = 4 if blend.policy == "kv-deviation" and blend.recompute_ratio > 0 else 0
-            if not decoding and requests <= PREFILL_SEQS:
-                assert staged and all(layer == layers for layer, _ in staged), staged
-            if requests > PREFILL_SEQS:
-                assert not staged, staged
-    assert outs[True] == outs[False]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
 def test_mixed_steps_replay_graphs_with_the_eager_engines_bits_in_deterministic_mode(family):
@@ -216,11 +230,10 @@ def test_mixed_steps_replay_graphs_with_the_eager_engines_bits_in_deterministic_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("blend", [Blend(0.3), Blend(0.25, "chunk-heads"), Blend(0.3, "adaptive")],
-                         ids=["kv-deviation", "chunk-heads", "adaptive"])
-def test_blended_prefills_replay_tail_graphs_with_the_eager_engines_bits_in_deterministic_mode(blend):
-    """On the GPU, a blended prefill's layers after its check layers replay a tail graph (counted in the runner's
-    launches), and a deterministic bf16 engine's tokens and K/V equal an eager one's bit for bit."""
+@pytest.mark.parametrize("blend", [Blend(0.3), Blend(0.25, "chunk-heads")], ids=["kv-deviation", "chunk-heads"])
+def test_blended_prefills_replay_blend_graphs_with_the_eager_engines_bits_in_deterministic_mode(blend):
+    """On the GPU, a blended prefill's whole step replays a blend graph (counted in the runner's launches), and a
+    deterministic bf16 engine's tokens and K/V equal an eager one's bit for bit."""
     from chunkwise.checkpoints import tiny_checkpoint
 
     path = tiny_checkpoint("qwen3", num_hidden_layers=6)
@@ -237,6 +250,6 @@ def test_blended_prefills_replay_tail_graphs_with_the_eager_engines_bits_in_dete
             runs[eager] = [o.token_ids for o in outs], eng.prefill_kv(prompts[0], reuse=blend), \
                 eng.executor.runner.launches
     (tokens, kv, launches), (eager_tokens, eager_kv, eager_launches) = runs[False], runs[True]
-    assert launches["tail", "graph"] > 0 and not eager_launches["tail", "graph"], launches
+    assert launches["blend", "graph"] > 0 and not eager_launches["blend", "graph"], launches
     assert tokens == eager_tokens
     assert all(torch.equal(a, b) for a, b in zip(kv, eager_kv))

@@ -22,13 +22,8 @@ copied from at once: int64, NUM_SEGMENTS segments of `seg` elements, in the orde
 int32, the fields of `at32` (decode seq lens, prefill seq lens, query_start_loc, the cascade groups' tensors).
 Page tables: `static_tables`, PREFILL_SEQS prefill rows then the decodes'.
 
-Steps with a row plan (chunkwise/engine/row_plan.py; `replay_tail`): their check layers choose rows on the device,
-so such a step runs eagerly up to its last check layer (a few of a deep model's first layers, or none). From there
-its rows are fixed, and the rest, most of the step, replays a *tail graph*: the layers from that one on, the final
-norm and the logits, over static inputs of its own (the residual stream, explicit positions, slots, tables) for a
-row bucket (`tail_bucket`), captured the first time a (first layer, bucket) comes. Rows past the real ones are
-padding as in a mixed graph; only steps of prefills alone (no decodes beside them, at most PREFILL_SEQS) take one.
-Eagerly, such a step spent far more time launching its 28 layers' kernels than running them.
+Steps with a row plan (a blend's) replay graphs of their own, chunkwise/engine/blend_graphs.py; their rows are
+bucketed by `tail_bucket`.
 """
 from __future__ import annotations
 
@@ -40,7 +35,7 @@ import torch
 from chunkwise.kernels.cascade import CascadeGroups
 from chunkwise.engine.host_step import ALIGN, HostStep, fill_pending
 from chunkwise.engine.kv_cache import KVCache
-from chunkwise.engine.model import LayerState, Model, StepInputs
+from chunkwise.engine.model import Model, StepInputs
 from chunkwise.engine.distributed.tensor_parallel import TensorParallel
 
 # The int64 segments: what the graph reads (a step's token ids, positions, cache slots, logits rows and page-table
@@ -65,11 +60,11 @@ def row_bucket(n: int) -> int:
     return 16 if n <= 16 else 32 if n <= 32 else -(-n // ROWS_STEP) * ROWS_STEP
 
 
-TAIL_ROWS_STEP = 256   # tail graphs of more than 512 rows: multiples of this (fewer captures, padding < 256 rows)
+TAIL_ROWS_STEP = 256   # blend graphs of more than 512 rows: multiples of this (fewer captures, padding < 256 rows)
 
 
 def tail_bucket(n: int) -> int:
-    """A tail graph's rows for n: row_bucket up to 512, then the next multiple of TAIL_ROWS_STEP."""
+    """A blend graph's rows for n: row_bucket up to 512, then the next multiple of TAIL_ROWS_STEP."""
     return row_bucket(n) if n <= 512 else -(-n // TAIL_ROWS_STEP) * TAIL_ROWS_STEP
 
 
@@ -92,10 +87,6 @@ class StepGraphs:
         self.rows = 0   # the largest decode bucket
         self.mixed_keys: set[tuple[int, int]] = set()   # (prefill rows, decode rows) of the mixed graphs
         self.budget = 0   # the most tokens of a step that a mixed graph holds
-        # Row-planned steps' tail graphs (module docstring): (first layer, rows) -> graph, its static state, logits.
-        self.tails: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, LayerState, torch.Tensor]] = {}
-        self.tail_rows = 0   # the most rows a tail graph holds; 0: none (set when the graphs are captured)
-        self.tail_pool = None
 
     def __len__(self) -> int:
         return len(self.graphs)
@@ -198,7 +189,6 @@ class StepGraphs:
         """One graph per decode batch-size bucket over the static inputs (with cascade attention on, a second one
         per bucket whose decodes go through cascade_decode), and one per mixed key; largest first, one pool."""
         self.allocate(max_num_seqs, max_num_batched_tokens)
-        self.tail_rows = (max_num_batched_tokens or 0) if self.max_graph_tokens > 0 else 0
         keys = [(c, 0, bs) for bs in self.buckets for c in ((False, True) if cascade else (False,))]
         keys += [(False, r, d) for r, d in sorted(self.mixed_keys)]
         pool = None
@@ -328,76 +318,6 @@ class StepGraphs:
         logits = self.model.forward(self.static_inputs(bs, cascade, prefill_rows), self.kv.layers)
         return logits[:len(host.logits_indices)]
 
-    def tail_key(self, state: LayerState) -> tuple[int, int] | None:
-        """The tail graph (first layer, rows) that holds the rest of a row-planned step from `state`, or None: decodes
-        beside its prefills, more than PREFILL_SEQS of them, or more rows than `tail_rows`."""
-        inp = state.inp
-        rows = inp.input_ids.shape[0]
-        if (not self.tail_rows or inp.decode_seq_lens.shape[0] or inp.seq_lens.shape[0] > PREFILL_SEQS
-                or rows > self.tail_rows or state.layer >= len(self.model.layers)):
-            return None
-        return state.layer, tail_bucket(rows)
-
-    def _tail_inputs(self, layer: int, rows: int) -> LayerState:
-        """The static state of a tail graph: padding throughout (slot -1, no prefilling sequence holds a row)."""
-        dev, width, p = self.device, self.max_pages_per_seq, PREFILL_SEQS
-        hidden, dtype = self.model.embed.shape[1], self.model.embed.dtype
-        int64 = dict(dtype=torch.int64, device=dev)
-        int32 = dict(dtype=torch.int32, device=dev)
-        inp = StepInputs(
-            input_ids=torch.zeros(rows, **int64), positions=torch.zeros(rows, **int64),
-            slot_mapping=torch.full((rows,), -1, **int64), page_tables=torch.zeros(p, width, **int32),
-            seq_lens=torch.ones(p, **int32), query_start_loc=torch.zeros(p + 1, **int32),
-            decode_page_tables=torch.zeros(0, width, **int32), decode_seq_lens=torch.zeros(0, **int32),
-            logits_indices=torch.zeros(p, **int64), explicit_positions=True)
-        h = torch.zeros(rows, hidden, dtype=dtype, device=dev)
-        return LayerState(layer, h, torch.zeros_like(h) if layer else None, inp)   # no residual before layer 0
-
-    @staticmethod
-    def _stage_tail(state: LayerState, static: LayerState) -> None:
-        """Copies a row-planned step's state into a tail graph's static state, padding the rest (device to device)."""
-        src, dst = state.inp, static.inp
-        t, p = src.input_ids.shape[0], src.seq_lens.shape[0]
-        for a, b, pad in ((state.h, static.h, 0), (state.residual, static.residual, 0),
-                          (src.positions, dst.positions, 0), (src.slot_mapping, dst.slot_mapping, -1),
-                          (src.seq_lens, dst.seq_lens, 1), (src.query_start_loc, dst.query_start_loc, t),
-                          (src.logits_indices, dst.logits_indices, 0)):
-            if a is None:   # before layer 0
-                continue
-            b[:len(a)].copy_(a)
-            b[len(a):].fill_(pad)
-        dst.page_tables[:p, :src.page_tables.shape[1]].copy_(src.page_tables)
-
-    def replay_tail(self, state: LayerState) -> torch.Tensor | None:
-        """`Model.forward`'s tail for a row-planned step: its logits from the replay of the tail graph that holds it
-        (captured now if this is its key's first step), or None where none does."""
-        key = self.tail_key(state)
-        if key is None:
-            return None
-        if key not in self.tails:
-            static = self._tail_inputs(*key)
-            self.model.tail(static, self.kv.layers)   # compiles outside the capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.tail_pool):
-                logits = self.model.tail(static, self.kv.layers)
-            self.tail_pool = graph.pool()
-            self.tails[key] = graph, static, logits
-        graph, static, logits = self.tails[key]
-        self._stage_tail(state, static)
-        graph.replay()
-        return logits[:state.inp.logits_indices.shape[0]]
-
-    def static_tail(self, state: LayerState) -> torch.Tensor | None:
-        """What `replay_tail` computes, run eagerly over the same static inputs (tests the staging where no graph
-        can be captured, e.g. on CPU)."""
-        key = self.tail_key(state)
-        if key is None:
-            return None
-        static = self._tail_inputs(*key)
-        self._stage_tail(state, static)
-        return self.model.tail(static, self.kv.layers)[:state.inp.logits_indices.shape[0]]
-
     def close(self) -> None:
         """Frees the graphs (and their memory pools); they hold the model no more."""
-        self.graphs, self.tails, self.model = {}, {}, None
+        self.graphs, self.model = {}, None

@@ -6,8 +6,8 @@ attention then reads pages only, so prefill, chunked prefill and decode read K/V
 (docs/ARCHITECTURE.md, lesson 3). Each residual add is folded into the norm after it (`add_rms_norm`), so a
 decode layer is: norm, QKV GEMM, rope_store, attention, O GEMM, norm, gate_up GEMM, act_and_mul, down GEMM.
 A step with a row plan (`StepInputs.row_plan`, chunkwise/engine/row_plan.py) places K/V before its first layer, and its
-check layers narrow its rows; the residual stream after them (`LayerState`) is all the later layers need, so the
-runner can replay those as a CUDA graph (`forward`'s `tail`).
+check layers narrow its rows on the device, in fixed shapes where a blend graph replays the whole step
+(chunkwise/engine/blend_graphs.py); the residual stream after them (`LayerState`) is all the later layers need.
 
 Deterministic mode (`deterministic=True`): every op on a token's path gives that token the same bits whatever its
 batch-mates, chunk boundaries or page size, and whether prefill, decode or a recompute computes it. The GEMMs take
@@ -29,7 +29,6 @@ Flat-batch layout (built by `ModelRunner`): tokens of the sequences that bring p
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -44,7 +43,7 @@ from chunkwise.kernels.paged_attention import paged_split_workspace
 from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE, SplitWorkspace, num_splits_for, split_workspace
 from chunkwise.engine.kv_cache import LayerCaches
 from chunkwise.engine.distributed.tensor_parallel import TensorParallel
-from chunkwise.engine.row_plan import RowInputs, select_rows
+from chunkwise.engine.row_plan import RowInputs, padded_slots, select_padded, select_rows
 from chunkwise.kernels.relocate import relocate_kv
 
 
@@ -168,29 +167,25 @@ class Model:
             self.tp.all_reduce(h)
         return add_rms_norm(h, residual, weight, eps, plus_one, pre_weight=pre_weight)
 
-    def forward(self, inp: StepInputs, kv_caches: LayerCaches,
-                tail: Callable[[LayerState], torch.Tensor | None] | None = None) -> torch.Tensor:
+    def forward(self, inp: StepInputs, kv_caches: LayerCaches, place: bool = True) -> torch.Tensor:
         """Logits [N, vocab] for the rows `inp.logits_indices` (the model's dtype; float32 when soft-capped), after
         writing every layer's K/V; under tensor parallelism, this rank's [N, P] slice of them (soft-capped alike).
 
         A step with a row plan places its K/V and runs its check layers here; from the first layer after them its
-        rows are fixed, and `tail` (the runner's CUDA graphs) may run the rest: it returns the logits, or None to
-        leave them here."""
+        rows are fixed. `place=False`: the plan's K/V are placed already (a blend graph places them before its
+        replay, chunkwise/engine/blend_graphs.py)."""
         h = self._embed(inp.input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         state = LayerState(0, h, None, inp)
         plan = inp.row_plan
         if plan is not None:
-            self._place(plan, kv_caches)
+            if place:
+                self.place(plan, kv_caches)
             if plan.checks:
                 state = self._layers(state, kv_caches, max(plan.checks) + 1, plan)
             else:   # every row goes on through every layer
                 plan.kept = torch.arange(h.shape[0], device=h.device)
-            if tail is not None and state.layer < len(self.layers):
-                logits = tail(state)
-                if logits is not None:
-                    return logits
         return self.tail(state, kv_caches)
 
     def tail(self, state: LayerState, kv_caches: LayerCaches) -> torch.Tensor:
@@ -237,12 +232,16 @@ class Model:
                 fresh = self._kv_rows(kv_caches[i], inp.slot_mapping)
                 (fk, fv), (pk, pv) = fresh, placed   # p promotes to float32 exactly: one launch fewer each
                 deviation = (fk.float() - pk).square().sum((1, 2)) + (fv.float() - pv).square().sum((1, 2))
-                keep = select_rows(check, deviation, placed_rows, groups)
+                padded = check.padded
+                keep = (select_rows(check, deviation, placed_rows, groups) if padded is None
+                        else select_padded(padded, deviation, placed_rows))
                 q, residual, placed_rows, kept = q[keep], residual[keep], placed_rows[keep], kept[keep]
                 groups = groups[keep] if groups is not None else None
                 rope = [(cos[keep], sin[keep]) for cos, sin in rope]
+                slots = inp.slot_mapping[keep]
                 inp = replace(inp, input_ids=inp.input_ids[keep], positions=inp.positions[keep],
-                              slot_mapping=inp.slot_mapping[keep], query_start_loc=check.query_start_loc)
+                              slot_mapping=slots if padded is None else padded_slots(padded, slots),
+                              query_start_loc=check.query_start_loc)
             h = self._attention(i, lw, q, inp, kv_caches[i], workspace, prefill_workspace)
             if self.cfg.sandwich_norms:
                 x, residual = self._add_norm(h, residual, lw["pre_ff_norm"], lw["post_attn_norm"])
@@ -326,7 +325,7 @@ class Model:
             split_kv_decode(*args, self.cfg.attn_scale, sliding_window=window, split_size=self.split_size,
                             out=out, workspace=workspace)
 
-    def _place(self, plan: RowInputs, kv_caches: LayerCaches) -> None:
+    def place(self, plan: RowInputs, kv_caches: LayerCaches) -> None:
         """Every layer's K/V from the plan's source slots to its placed rows' slots, K re-rotated by its layer's RoPE:
         one launch per distinct RoPE config (e.g. Gemma's local and global), over the layers that share it."""
         for inv_freq, layers in zip(self.inv_freqs, self.rope_layers):
@@ -337,6 +336,7 @@ class Model:
     def _kv_rows(kv, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K and V [rows, kv_heads, head_dim] at the cache slots."""
         k_cache, v_cache = kv
+        slots = slots.clamp(min=0)   # a padding row (slot -1, a blend graph's) reads slot 0 and is never kept
         return tuple(c.view(-1, *c.shape[2:]).index_select(0, slots) for c in (k_cache, v_cache))
 
     def _qkv_store(self, lw: dict, x: torch.Tensor, inp: StepInputs, kv, rope) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch
 from chunkwise.engine_config import EngineConfig
 from chunkwise.kernels.cascade import CascadeGroups, cascade_groups, cascade_item_size
 from chunkwise.kernels.tiling import cdiv
+from chunkwise.engine.blend_graphs import BlendGraphs
 from chunkwise.engine.cuda_graphs import StepGraphs
 from chunkwise.engine.host_step import ALIGN, HostStep, Launched, fill_pending, synthetic_step
 from chunkwise.engine.kv_cache import KVCache
@@ -72,12 +73,18 @@ class ModelRunner:
                                  page_size=self.page_size, split_size=self.split_size,
                                  cascade_item_size=self.cascade_item_size, num_kv_heads=self.num_kv_heads,
                                  device=self.device, max_graph_tokens=config.max_graph_tokens)
-        # Steps by kind ("decode", "cascade decode", "mixed": with prefill rows) and path ("graph", "eager").
+        # Row-planned steps' whole forward (chunkwise/engine/blend_graphs.py); on where mixed graphs are.
+        self.blend_graphs = BlendGraphs(self.model, self.kv, max_pages_per_seq=config.max_pages_per_seq,
+                                        max_decodes=config.max_num_seqs, device=self.device)
+        # Steps by kind ("decode", "cascade decode", "mixed": with prefill rows, "blend": with a row plan) and path
+        # ("graph", "eager").
         self.launches: Counter[tuple[str, str]] = Counter()
         if self.device.type == "cuda":
             self._warm_up()
             if not config.enforce_eager and self.split_kv_threshold == 0:
                 self.graphs.capture(config.max_num_seqs, self.cascade, config.max_num_batched_tokens)
+                if config.max_graph_tokens > 0 and tp is None:   # a blended prompt longer than the budget runs alone
+                    self.blend_graphs.max_rows = max(config.max_num_batched_tokens, config.max_model_len)
 
     # ---- step inputs -------------------------------------------------------------------------------
     def prepare(self, batch) -> tuple[HostStep, list]:
@@ -254,22 +261,24 @@ class ModelRunner:
         eager (no tokens). Logits are this rank's vocabulary slice under tensor parallelism. Counted in `launches`
         by (kind, path)."""
         kind = "mixed" if host.num_prefill else "cascade decode" if host.cascade is not None else "decode"
+        if host.row_plan is not None:
+            key = self.blend_graphs.key_for(host)
+            if key is not None:
+                self.launches["blend", "graph"] += 1
+                rows = self._upload_rows(host.row_plan)
+                logits, rows.kept = self.blend_graphs.replay(host, key, self.tables.table, self.last_tokens,
+                                                             lambda: self.model.place(rows, self.kv.layers))
+                self.last_row_plan = rows
+                return logits, None
         key = self.graphs.captured_key(host)
         if key is not None:
             self.launches[kind, "graph"] += 1
             return self.graphs.replay(host, key, self.tables.table, self.last_tokens)
         self.launches[kind, "eager"] += 1
         inp = self._upload(host)
-        logits = self.model.forward(inp, self.kv.layers, tail=self._tail if self.graphs.tail_rows else None)
+        logits = self.model.forward(inp, self.kv.layers)
         self.last_row_plan = inp.row_plan
         return logits, None
-
-    def _tail(self, state) -> torch.Tensor | None:
-        """A row-planned step's layers after its check layers, as a tail graph's replay where one holds them."""
-        logits = self.graphs.replay_tail(state)
-        if logits is not None:
-            self.launches["tail", "graph"] += 1
-        return logits
 
     def _warm_up(self):
         """Run one eager forward per specialisation class, so no Triton kernel compiles inside a user's step.
@@ -328,4 +337,5 @@ class ModelRunner:
         """Frees the KV cache, the CUDA graphs and the weights; the runner runs nothing after this."""
         self.kv.close()
         self.graphs.close()
+        self.blend_graphs.close()
         self.model = None

@@ -116,9 +116,13 @@ class PagePool:
 
     def chain_pages(self, token_ids) -> list[int]:
         """The cached pages continuing the hash chain of token_ids' full pages from the start; changes nothing."""
-        pages: list[int] = []
+        return [page_id for page_id, _ in self.chain(token_ids)]
+
+    def chain(self, token_ids) -> list[tuple[int, bytes]]:
+        """`chain_pages` with each page's chain hash: while `still_cached` holds, the same pages."""
+        found: list[tuple[int, bytes]] = []
         if not self.enable_prefix_caching:
-            return pages
+            return found
         parent = b""
         step = TOKEN_BYTES * self.page_size
         data = token_bytes(token_ids[:len(token_ids) // self.page_size * self.page_size])
@@ -127,8 +131,14 @@ class PagePool:
             if page_id is None:
                 break
             parent = self.pages[page_id].hash
-            pages.append(page_id)
-        return pages
+            found.append((page_id, parent))
+        return found
+
+    def still_cached(self, chain: list[tuple[int, bytes]]) -> bool:
+        """Whether every page of a `chain` result is still cached under the same hash object (not evicted since:
+        a page cached again gets a new one), so that the chain can be reused without its tokens' bytes."""
+        pages = self.pages
+        return all(pages[page_id].hash is h for page_id, h in chain)
 
     @property
     def num_pinned_pages(self) -> int:
@@ -202,10 +212,11 @@ class PagePool:
         if need > self.num_free_pages:
             raise ValueError(f"sequence {seq.seq_id} needs {need} new pages for {num_new_tokens} tokens, "
                              f"only {self.num_free_pages} are free (call can_allocate first)")
-        for _ in range(need):
-            page = self.pages[self._take_page()]
-            page.ref_count = 1
-            self._record(seq, page.page_id)
+        taken = [self._take_page() for _ in range(need)]   # in bulk: a long prompt takes hundreds of pages
+        for page_id in taken:
+            self.pages[page_id].ref_count = 1
+        self._new.setdefault(seq.seq_id, (len(seq.page_table), []))[1].extend(taken)
+        seq.page_table.extend(taken)
 
     def _record(self, seq: Sequence, page_id: int) -> None:
         """Append page_id to seq's page table, and to the pages take_changes reports next."""

@@ -82,10 +82,23 @@ class HostRows:
 
 
 @dataclass
+class PaddedSelection:
+    """A check layer's selection in fixed shapes, as a blend graph replays it (chunkwise/engine/blend_graphs.py):
+    the layer's prefill rows are its real ones then padding, its decodes after them, and it leaves `rows` prefill
+    rows (its `num_kept` real ones first, then padding that stores nothing) and the decodes."""
+    row_segment: torch.Tensor    # int64 [prefill rows in]: each row's segment; padding rows the last, which keeps none
+    segment_start: torch.Tensor  # int64 [S]: each segment's first row (segments are contiguous, in order)
+    segment_keep: torch.Tensor   # int64 [S]: rows each segment keeps (a whole one: all of its rows)
+    num_kept: torch.Tensor       # int64 [1]: the real prefill rows kept
+    rows: int                    # prefill rows out: num_kept or more
+
+
+@dataclass
 class RowSelection:
     """One check layer on the device: the rows' segments at that layer and the prefill query_start_loc after it."""
     segments: list[Segment]
     query_start_loc: torch.Tensor    # int32 [P + 1]
+    padded: PaddedSelection | None = None   # a blend graph's form of `segments` (None: an eager step's)
 
 
 @dataclass
@@ -135,6 +148,31 @@ def select_rows(check: RowSelection, deviation: torch.Tensor, placed: torch.Tens
             order = torch.sort(score[first:first + rows], descending=True, stable=True).indices[:keep]
             parts.append(torch.sort(order).values + first)
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=score.device)
+
+
+def select_padded(sel: PaddedSelection, deviation: torch.Tensor, placed: torch.Tensor) -> torch.Tensor:
+    """`select_rows` in fixed shapes and without a host sync: the rows kept of a padded layer of T rows (deviation
+    float32 [T], placed bool [T]) whose first len(sel.row_segment) rows are prefill ones: sel.rows prefill rows
+    (the real kept ones ascending, as `select_rows` orders them, then not-kept ones as padding), then the decodes.
+    Within a segment, rows go by deviation descending, ties to the lower row (two stable sorts), and the first
+    `segment_keep` of each are kept."""
+    n = sel.row_segment.shape[0]
+    score = torch.where(placed[:n], deviation[:n], torch.full_like(deviation[:n], torch.inf))
+    by_score = torch.sort(score, descending=True, stable=True).indices
+    order = by_score[torch.sort(sel.row_segment[by_score], stable=True).indices]
+    seg = sel.row_segment[order]
+    rank = torch.arange(n, device=score.device) - sel.segment_start[seg]
+    # kept rows ascending, then the others ascending: sort the rows with n added to those not kept
+    key = torch.sort(torch.where(rank < sel.segment_keep[seg], order, order + n)).values[:sel.rows]
+    rows = torch.where(key < n, key, key - n)
+    decodes = torch.arange(n, deviation.shape[0], device=score.device)
+    return torch.cat((rows, decodes)) if decodes.shape[0] else rows
+
+
+def padded_slots(sel: PaddedSelection, slots: torch.Tensor) -> torch.Tensor:
+    """The slots of a padded selection's rows (`select_padded`'s order): its padding prefill rows store nothing."""
+    at = torch.arange(slots.shape[0], device=slots.device)
+    return slots.masked_fill((at >= sel.num_kept) & (at < sel.rows), -1)
 
 
 def step_rows(plans: list[RowPlan | None], n: np.ndarray, slots: np.ndarray, num_prefill: int, seq_ids: list[int]

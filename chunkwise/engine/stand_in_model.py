@@ -12,14 +12,12 @@ every run and device (no generator: a CUDA graph can capture it). An engine runs
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from chunkwise.model_config import ModelConfig
 from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE
 from chunkwise.engine.kv_cache import LayerCaches
-from chunkwise.engine.model import LayerState, StepInputs
+from chunkwise.engine.model import StepInputs
 from chunkwise.engine.distributed.tensor_parallel import TensorParallel
 
 _MOD = 65521                     # a prime: every residue of a row's key gives a different argmax column
@@ -39,8 +37,7 @@ class HashLogitsModel:
         device = weights["model.embed_tokens.weight"].device
         self.columns = torch.arange(cfg.vocab_size, dtype=torch.int64, device=device) * _COLUMN
 
-    def forward(self, inp: StepInputs, kv_caches: LayerCaches,
-                tail: Callable[[LayerState], torch.Tensor | None] | None = None) -> torch.Tensor:
+    def forward(self, inp: StepInputs, kv_caches: LayerCaches, place: bool = True) -> torch.Tensor:
         rows = inp.logits_indices
         key = (inp.input_ids[rows] % _MOD * _ROW + inp.positions[rows]) % _MOD
         return ((key[:, None] + self.columns[None, :]) % _MOD).to(torch.float32) / _MOD

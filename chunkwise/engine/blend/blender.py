@@ -12,6 +12,8 @@ from chunkwise.engine.blend.planning import BlendJob, plan_blend
 from chunkwise.engine.blend.report import blend_report
 from chunkwise.engine.row_plan import HostRows, RowPlan
 
+MAX_CHAINS = 4096   # chunks whose page chains are remembered
+
 
 @dataclass
 class _Record:
@@ -26,6 +28,9 @@ class Blender:
     def __init__(self, num_layers: int):
         self.num_layers = num_layers
         self.records: dict[int, _Record] = {}   # seq id -> its record, from its first plan until it finishes
+        # (chunk id, context) -> its variant's whole chain of cached pages (page id, chain hash), resolved once and
+        # reused while every page is still cached: a request's host work is then O(pieces), not O(tokens)
+        self.chains: dict[tuple, list[tuple[int, bytes]]] = {}
 
     def plan(self, seq, pool) -> RowPlan | None:
         """The row plan of `seq`'s prefill in the step being scheduled, or None: a request that does not blend,
@@ -34,9 +39,26 @@ class Blender:
         if (request is None or not isinstance(request.reuse, Blend) or request.pieces is None
                 or seq.num_preemptions or seq.num_computed_tokens >= seq.num_prompt_tokens):
             return None
-        job = plan_blend(request.reuse, request.pieces, seq.num_computed_tokens, pool, self.num_layers)
+        job = plan_blend(request.reuse, request.pieces, seq.num_computed_tokens, pool, self.num_layers,
+                         lambda piece: self._chain_pages(piece, pool))
         self.records[seq.seq_id] = _Record(job, request.pieces)
         return job.rows
+
+    def _chain_pages(self, piece, pool) -> list[int]:
+        """The cached pages of a chunk piece's variant (context then chunk): its remembered chain while still
+        cached, else resolved (and remembered when whole: every full page of context + chunk cached)."""
+        key = piece.chunk.chunk_id, piece.context
+        chain = self.chains.get(key)
+        if chain is None or not pool.still_cached(chain):
+            ids = piece.context.token_ids + piece.chunk.token_ids
+            chain = pool.chain(ids)
+            if len(chain) == len(ids) // pool.page_size:
+                if len(self.chains) >= MAX_CHAINS:   # the oldest remembered goes (resolved again if it comes back)
+                    del self.chains[next(iter(self.chains))]
+                self.chains[key] = chain
+            else:
+                self.chains.pop(key, None)
+        return [page_id for page_id, _ in chain]
 
     def approximate_from(self, seq) -> int | None:
         """Where `seq`'s K/V stop being exact (its blend's c0) while it holds blended K/V; None when they are exact

@@ -37,33 +37,45 @@ class BlendJob:
     piece_rows: np.ndarray     # int64 [R]: each row's piece index
 
 
-def plan_blend(params: Blend, pieces: tuple[Piece, ...], start: int, pool, num_layers: int) -> BlendJob:
-    """The blend of a prompt made of `pieces` whose first `start` tokens are exact, against `pool`'s prefix cache."""
+def plan_blend(params: Blend, pieces: tuple[Piece, ...], start: int, pool, num_layers: int,
+               chain_pages=None) -> BlendJob:
+    """The blend of a prompt made of `pieces` whose first `start` tokens are exact, against `pool`'s prefix cache;
+    `chain_pages(piece)` gives the cached pages of a chunk piece's variant, context then chunk (default:
+    `pool.chain_pages` of those ids)."""
+    if chain_pages is None:
+        def chain_pages(piece):
+            return pool.chain_pages(piece.context.token_ids + piece.chunk.token_ids)
     ps = pool.page_size
     lengths = np.array([p.num_tokens for p in pieces], np.int64)
     ends = np.cumsum(lengths)
     total = int(ends[-1])
     rows = total - start
+    # Every chunk piece's cached tokens at once (a Python step per piece, none per token or page): their
+    # positions ascend with the pieces, so the candidates come out in row order.
+    # A chunk piece whose variant's pages are cached (none placed: p.context is None) has its chunk's tokens at
+    # offsets len(context).. of its chain, moved by its start less the context's length.
+    chunked = [j for j, p in enumerate(pieces) if p.chunk is not None and p.context is not None]
+    chains = [np.asarray(chain_pages(pieces[j]), np.int64) for j in chunked]
+    n_ctx = np.array([len(pieces[j].context) for j in chunked], np.int64)
+    num_pages = np.array([len(c) for c in chains], np.int64)
+    tokens = np.maximum(num_pages * ps - n_ctx, 0)               # the chunk's tokens in those pages
+    owner = np.repeat(np.arange(len(chains)), tokens)           # each cached token's chunk piece (of `chunked`)
+    off = np.arange(int(tokens.sum())) - np.repeat(np.cumsum(tokens) - tokens, tokens)   # its offset in its chunk
+    firsts = (ends - lengths)[chunked]
+    pos = firsts[owner] + off
+    inside = (pos >= start) & (pos < total - 1)   # the prompt's last token gives the logits: always computed
+    owner, off, idx = owner[inside], off[inside], pos[inside] - start
+    pages = np.concatenate(chains) if chains else np.zeros(0, np.int64)
+    page_at = np.cumsum(num_pages) - num_pages                  # each chain's first page in `pages`
+    at = off + n_ctx[owner]                                     # its offset in its variant's chain
+    src = pages[page_at[owner] + at // ps] * ps + at % ps
+    heads = np.array([math.floor(params.recompute_ratio * pieces[j].num_tokens + 0.5) for j in chunked], np.int64)
     candidate = np.zeros(rows, bool)
-    src = np.full(rows, -1, np.int64)
+    candidate[idx] = True
     group = np.full(rows, -1, np.int64)     # "adaptive": each candidate's piece
-    delta = np.zeros(rows, np.int64)
+    group[idx] = np.asarray(chunked, np.int64)[owner]
     head = np.zeros(rows, bool)
-    for j, p in enumerate(pieces):
-        if p.chunk is None or p.context is None:
-            continue
-        first = int(ends[j] - lengths[j])
-        n_ctx = len(p.context)
-        pages = np.array(pool.chain_pages(p.context.token_ids + p.chunk.token_ids), np.int64)
-        off = np.arange(n_ctx, max(n_ctx, len(pages) * ps))   # the chunk's tokens in those pages
-        pos = first + off - n_ctx
-        inside = (pos >= start) & (pos < total - 1)   # the prompt's last token gives the logits: always computed
-        idx = pos[inside] - start
-        candidate[idx] = True
-        src[idx] = pages[off[inside] // ps] * ps + off[inside] % ps
-        delta[idx] = first - n_ctx
-        group[idx] = j
-        head[idx] = off[inside] - n_ctx < math.floor(params.recompute_ratio * p.num_tokens + 0.5)
+    head[idx] = off < heads[owner]
     n = int(candidate.sum())
     layers: tuple[int, ...] = ()
     kept: tuple[int, ...] = ()
@@ -78,5 +90,5 @@ def plan_blend(params: Blend, pieces: tuple[Piece, ...], start: int, pool, num_l
                                                                                    num_layers)]).tolist())
     piece_rows = np.repeat(np.arange(len(pieces)), lengths)[start:]
     groups = group if layers and params.policy == "adaptive" else None
-    return BlendJob(params, start, RowPlan(computed, candidate, src[candidate], delta[candidate], layers, kept,
+    return BlendJob(params, start, RowPlan(computed, candidate, src, firsts[owner] - n_ctx[owner], layers, kept,
                                            groups), piece_rows)

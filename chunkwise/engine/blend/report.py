@@ -15,11 +15,14 @@ def blend_report(job: BlendJob, pieces: tuple[Piece, ...], first_row: int, kept:
     computed = job.rows.computed
     full = computed.copy()
     rows0 = first_row + np.cumsum(computed) - 1        # each computed row's layer-0 row
-    full[computed] = np.isin(rows0[computed], kept)
+    marked = np.zeros(max(int(rows0[-1]) + 1 if len(rows0) else 0, int(kept.max(initial=-1)) + 1), bool)
+    marked[kept] = True
+    full[computed] = marked[rows0[computed]]
+    per_piece = np.bincount(job.piece_rows[full], minlength=len(pieces))
     out, first = [], 0
     for j, p in enumerate(pieces):
         exact = max(0, min(first + p.num_tokens, job.start) - first)
-        recomputed = int(full[job.piece_rows == j].sum())
+        recomputed = int(per_piece[j])
         out.append(ChunkReuse(p.chunk, p.num_tokens, exact, p.num_tokens - exact - recomputed, recomputed,
                               None if p.chunk is None else p.context))
         first += p.num_tokens
