@@ -27,6 +27,7 @@ from chunkwise.chunks import NO_CONTEXT, Blend, Chunk, ChunkContext, ChunkRegist
 from chunkwise.engine import Engine, SamplingParams
 from chunkwise.reference import Engine as RefEngine
 from chunkwise.reference.model import rotate
+from blend_parity import blends_equal
 
 pytestmark = pytest.mark.correctness
 
@@ -232,13 +233,7 @@ def test_the_fast_engines_conditioned_blend_equals_the_references(tiny_ckpt, cas
     prompt = [context, [4, 5]] + [fast[i] for i in order] + [tail]
     ref_prompt = [context, [4, 5]] + [slow[i] for i in order] + [tail]
     note(f"prompt {[len(p) for p in prompt]}")
-    k, v = eng.prefill_kv(prompt, reuse=blend)
-    k_ref, v_ref = ref.prefill_kv(ref_prompt, reuse=blend)
-    torch.testing.assert_close(k, k_ref, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(v, v_ref, atol=1e-4, rtol=1e-4)
-    out = eng.generate([prompt], PARAMS, reuse=blend)[0]
-    out_ref = ref.generate([ref_prompt], PARAMS, reuse=blend)[0]
-    assert out.token_ids == out_ref.token_ids
+    out, out_ref = blends_equal(eng, ref, prompt, ref_prompt, blend, PARAMS)
     # the reference has no prefix cache: the context's cached pages are exact there, recomputed here
     got, want = out.chunk_reuse, out_ref.chunk_reuse
     assert got[0].exact + got[0].recomputed == want[0].recomputed
