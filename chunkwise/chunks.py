@@ -28,6 +28,10 @@ from dataclasses import dataclass
 from chunkwise.limits import LIMIT
 from chunkwise.tokenizer import all_ints
 
+# A placed token's K/V deviation (sum of squared differences, fresh against placed) at or below this share of its fresh
+# K/V's sum of squares is rounding noise, counted as 0 by both engines: a token its new context did not reach (past a
+# sliding window, say) has the same K/V computed twice, and ranking such tokens by noise would differ between them.
+DEVIATION_NOISE = 2.0 ** -30
 REUSE_MODES = ("exact", "blend")           # the names a request may give; "blend" means DEFAULT_BLEND
 BLEND_POLICIES = ("kv-deviation", "chunk-heads", "adaptive")
 

@@ -1271,6 +1271,13 @@ MUTANTS = [
            "return all(pages[page_id].hash is not None for page_id, h in chain)",
            "a remembered chunk chain counts as still cached while its pages are cached at all: once evicted and "
            "taken by another prompt, a blend places that prompt's K/V as the chunk's"),
+    # session 29, lead: a deviation that is rounding noise counts as 0 in both engines
+    Mutant("blend_ranks_tokens_by_rounding_noise", "chunkwise/engine/model.py::Model._layers",
+           "deviation = torch.where(deviation <= noise, torch.zeros_like(deviation), deviation)",
+           "deviation = deviation",
+           "the fast engine ranks placed tokens by deviations that are rounding noise (a token past the sliding "
+           "window has the same K/V computed twice): which of them an adaptive blend recomputes differs from the "
+           "reference's choice"),
 ]
 
 

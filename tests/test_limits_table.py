@@ -357,6 +357,10 @@ NOT_LIMITS = {
     ("chunkwise/sampling.py", "sampling_probs", "torch.softmax(sorted_logits, dim=-1).cumsum(-1) <= 1 - params.top_p"):
         "sampling: the top-p cut itself",
     ("chunkwise/sampling.py", "sampling_probs", "logits < kth"): "sampling: the top-k cut itself",
+    ("chunkwise/chunks.py", "variant", "n <= start"): "which registered variant fits a prompt: its context ends "
+        "before the chunk",
+    ("chunkwise/chunks.py", "variant", "n > len(best.token_ids)"): "which registered variant fits a prompt: the "
+        "longest context",
     ("chunkwise/tokenizer.py", "all_ints", "set(map(type, xs)) <= {int}"): "a subset test of types",
     ("chunkwise/tokenizer.py", "encode_prompts", "set(map(type, ids)) <= {int}"): "a subset test of types",
     ("chunkwise/tokenizer.py", "is_single_prompt", "len(prompts) > 0"): "a non-empty test",

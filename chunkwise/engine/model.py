@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from chunkwise.chunks import DEVIATION_NOISE
 from chunkwise.model_config import ModelConfig
 from chunkwise.kernels import (CascadeGroups, act_and_mul, add_rms_norm, cascade_decode, matmul, paged_attention,
                                paged_decode, rms_norm, rope_cos_sin, rope_store, split_kv_decode)
@@ -231,7 +232,10 @@ class Model:
             if check is not None:   # keep the rows that go on: unplaced ones and the most deviating placed ones
                 fresh = self._kv_rows(kv_caches[i], inp.slot_mapping)
                 (fk, fv), (pk, pv) = fresh, placed   # p promotes to float32 exactly: one launch fewer each
-                deviation = (fk.float() - pk).square().sum((1, 2)) + (fv.float() - pv).square().sum((1, 2))
+                fk, fv = fk.float(), fv.float()
+                deviation = (fk - pk).square().sum((1, 2)) + (fv - pv).square().sum((1, 2))
+                noise = DEVIATION_NOISE * (fk.square().sum((1, 2)) + fv.square().sum((1, 2)))
+                deviation = torch.where(deviation <= noise, torch.zeros_like(deviation), deviation)
                 padded = check.padded
                 keep = (select_rows(check, deviation, placed_rows, groups) if padded is None
                         else select_padded(padded, deviation, placed_rows))

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chunkwise.chunks import Blend, ChunkReuse, Piece
+from chunkwise.chunks import DEVIATION_NOISE, Blend, ChunkReuse, Piece
 from chunkwise.reference.model import ReferenceModel, rotate
 
 
@@ -165,8 +165,10 @@ def blend_prefill(model: ReferenceModel, token_ids: list[int], pieces: tuple[Pie
         k_cache[layer, rows], v_cache[layer, rows] = k.transpose(0, 1), v.transpose(0, 1)
         if 1 <= layer <= num_checks:
             cand = torch.nonzero(kept).squeeze(1)                          # [n_kept] ascending
-            dev = ((k_cache[layer, cand].float() - placed_k[layer, cand].float()) ** 2).sum((1, 2)) + \
-                  ((v_cache[layer, cand].float() - placed_v[layer, cand].float()) ** 2).sum((1, 2))
+            fk, fv = k_cache[layer, cand].float(), v_cache[layer, cand].float()
+            dev = ((fk - placed_k[layer, cand].float()) ** 2).sum((1, 2)) + \
+                  ((fv - placed_v[layer, cand].float()) ** 2).sum((1, 2))
+            dev[dev <= DEVIATION_NOISE * ((fk ** 2).sum((1, 2)) + (fv ** 2).sum((1, 2)))] = 0   # rounding noise
             keep = num_kept(check_ratio(r, layer, num_checks), int(candidate.sum()))
             score = apportioned(dev, group[cand]) if blend.policy == "adaptive" else dev
             kept = torch.zeros_like(kept)
