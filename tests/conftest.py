@@ -145,16 +145,27 @@ SIMPLE_CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['conten
                         "{% if add_generation_prompt %}<s>assistant: {% endif %}")
 
 
-@pytest.fixture(scope="session")
-def tiny_chat_ckpt(tiny_ckpt_with_byte_tokenizer, tmp_path_factory):
-    """The byte-tokenizer tiny Qwen3 plus a simple chat template (a role line per message)."""
+def with_chat_template(checkpoint, tmp_path_factory, template: str):
+    """A copy of `checkpoint` (one with a tokenizer) whose tokenizer carries the chat template `template`."""
     import shutil
 
     from transformers import AutoTokenizer
 
     path = tmp_path_factory.mktemp("chat") / "tiny-qwen3-chat"
-    shutil.copytree(tiny_ckpt_with_byte_tokenizer, path)
+    shutil.copytree(checkpoint, path)
     tok = AutoTokenizer.from_pretrained(path)
-    tok.chat_template = SIMPLE_CHAT_TEMPLATE
+    tok.chat_template = template
     tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def chat_template_ckpt(tiny_ckpt_with_byte_tokenizer, tmp_path_factory):
+    """chat_template_ckpt(template) -> the byte-tokenizer tiny Qwen3 whose tokenizer carries `template`."""
+    return lambda template: with_chat_template(tiny_ckpt_with_byte_tokenizer, tmp_path_factory, template)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_ckpt(tiny_ckpt_with_byte_tokenizer, tmp_path_factory):
+    """The byte-tokenizer tiny Qwen3 plus a simple chat template (a role line per message)."""
+    return with_chat_template(tiny_ckpt_with_byte_tokenizer, tmp_path_factory, SIMPLE_CHAT_TEMPLATE)

@@ -13,7 +13,6 @@ One server: the tiny Qwen3 with the byte-level tokenizer and a ChatML-like templ
 """
 from __future__ import annotations
 
-import shutil
 
 import httpx
 import openai
@@ -41,15 +40,8 @@ THE_BYTES = "the"                          # registered as single-byte ids, whic
 
 
 @pytest.fixture(scope="module")
-def chat_ckpt(tiny_ckpt_with_byte_tokenizer, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    path = tmp_path_factory.mktemp("chat") / "tiny-qwen3-chat"
-    shutil.copytree(tiny_ckpt_with_byte_tokenizer, path)
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.chat_template = CHATML
-    tok.save_pretrained(path)
-    return path
+def chat_ckpt(chat_template_ckpt):
+    return chat_template_ckpt(CHATML)
 
 
 @pytest.fixture(scope="module")
