@@ -69,4 +69,5 @@ def forced_logprobs(model: ReferenceModel, tokens: list[list[int]], kvs: list[tu
         v[rows, :, positions] = v_new.view(cfg.num_kv_heads, b, t, cfg.head_dim).permute(1, 2, 0, 3)
         x = padded.attend_rows(x, q, k, v, layer, positions.view(-1))
     logprobs = torch.log_softmax(padded.logits(x).float(), dim=-1).view(b, t, -1)
-    return [logprobs[i, :len(x_)] for i, x_ in enumerate(tokens)]
+    # copies, so that one kept prompt's rows do not hold the whole padded batch (a 262k vocabulary's) alive
+    return [logprobs[i, :len(x_)].clone() for i, x_ in enumerate(tokens)]
