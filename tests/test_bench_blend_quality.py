@@ -120,7 +120,8 @@ def test_the_pipeline_holds_its_anchors_end_to_end_on_a_tiny_model(tiny_ckpt, tm
     speed = tmp_path / "speed.json"
     speed.write_text(json.dumps({"ttft": {"plain": {"ttft_ms": 16.0}, "exact": {"ttft_ms": 29.0},
                                           "blend r=0.15": {"ttft_ms": 16.3}, "chunk-heads r=0.15": {"ttft_ms": 10.9},
-                                          "blend r=0.15, eager tail": {"ttft_ms": 20.0}}}))
+                                          "blend r=0.15, eager tail": {"ttft_ms": 20.0},
+                                          "blend r=0.5, eager": {"ttft_ms": 21.0}}}))
     ckpt = tiny_ckpt("llama", max_position_embeddings=4096)
     got = main(["--model", str(ckpt), "--engine", "reference", "--device", "cpu", "--dtype", "float32",
                 "--tasks", "3", "--two-hop-tasks", "1", "--docs", "2,2", "--ratios", "0,1", "--page-size", "1",
