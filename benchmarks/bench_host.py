@@ -202,8 +202,9 @@ def test_composed_request_host_time(benchmark, one_thread, mode, doc_len):
     benchmark.pedantic(one, setup=lambda: (composed_prompt(docs, rng, reuse_mode, vocab), {}),
                        rounds=COMPOSED_ROUNDS, iterations=1)
     ms = 1e3 * statistics.median(host)
-    benchmark.extra_info.update(mode=mode, doc_len=doc_len, host_ms=ms, stand_in_forward_ms=1e3 * statistics.median(forward),
+    benchmark.extra_info.update(mode=mode, doc_len=doc_len, host_ms=ms, least_host_ms=1e3 * min(host),
+                                stand_in_forward_ms=1e3 * statistics.median(forward),
                                 note="thread CPU time, generate to first token, less the stand-in forward; not a "
                                      "performance figure")
     print(f"[composed host] {mode}, {PER_REQUEST} x {doc_len} + {QUESTION_LEN}: host {ms:.2f} ms (median of "
-          f"{len(host)}), stand-in forward {1e3 * statistics.median(forward):.2f} ms")
+          f"{len(host)}; least {1e3 * min(host):.2f} ms), stand-in forward {1e3 * statistics.median(forward):.2f} ms")
