@@ -1279,6 +1279,25 @@ MUTANTS = [
            "the fast engine ranks placed tokens by deviations that are rounding noise (a token past the sliding "
            "window has the same K/V computed twice): which of them an adaptive blend recomputes differs from the "
            "reference's choice"),
+    # ---- h49host (issue #49 §2): a composed request's host work O(pieces): its ids as one array joined from its chunks'
+    # arrays (killed by tests/test_chunks.py), chains checked by page generations (the mutant above, re-anchored)
+    Mutant("composite_array_piece_one_token_off", "chunkwise/chunks.py::ChunkRegistry.ids_array",
+           "parts.append(np.array(ids[start:start + p.num_tokens], np.int64))",
+           "parts.append(np.array(ids[start + 1:start + 1 + p.num_tokens], np.int64))",
+           "a composite prompt's id array takes each text or id piece one token late: the pool probes and caches, "
+           "and the runner computes, ids the prompt does not hold"),
+    Mutant("chunk_arrays_shared_by_length", "chunkwise/chunks.py::ChunkRegistry.ids_array",
+           "a = self.arrays.get(p.chunk.chunk_id)\n                if a is None:\n"
+           "                    a = self.arrays[p.chunk.chunk_id] = np.array(p.chunk.token_ids, np.int64)",
+           "a = self.arrays.get(len(p.chunk))\n                if a is None:\n"
+           "                    a = self.arrays[len(p.chunk)] = np.array(p.chunk.token_ids, np.int64)",
+           "the chunks' id arrays are remembered by length: a prompt holding a chunk of the same length as one seen "
+           "before computes (and caches under) that other chunk's ids"),
+    Mutant("composite_array_admits_the_vocabulary_size", "chunkwise/tokenizer.py::encode_prompts",
+           "PROMPT_TOKEN_ID.first_outside(arrays[i], vocab_size=cfg.vocab_size)",
+           "PROMPT_TOKEN_ID.first_outside(arrays[i], vocab_size=cfg.vocab_size + 1)",
+           "a composite prompt's ids are checked against a vocabulary one id larger: an id piece holding vocab_size "
+           "passes validation and fails inside a step"),
 ]
 
 
