@@ -16,7 +16,9 @@ tokens (and of 1,024, to see what grows with the tokens) in a random order + a 6
 from `generate` to its first token, in each reuse mode and as the plain prompt of the same ids. Its host time is
 this thread's CPU time (`time.thread_time`: a busy machine's other processes do not count) less the stand-in
 forward's; the stand-in's own selection (a blend's check layers, on the device in the real engine) is reported
-apart. Its model is tiny Qwen3 with four layers: three check layers, as a Qwen3 of 28 layers has.
+apart. Its model is tiny Qwen3 with four layers: three check layers, as a Qwen3 of 28 layers has. A blend runs
+twice: eagerly (the CPU's path), and "staged" as a GPU runs it, its step staged into a blend graph's static inputs
+(`BlendGraphs.stage`) and the stand-in run over them where the graph would be replayed (`static_forward`).
 """
 from __future__ import annotations
 
@@ -138,12 +140,19 @@ class ComposedHostEngine(Engine):
 
 
 def composed_engine(doc_len: int, num_docs: int = NUM_DOCS, per_request: int = PER_REQUEST,
-                    question_len: int = QUESTION_LEN, **kw) -> tuple[ComposedHostEngine, list]:
-    """An engine whose composed requests fit one step, and its `num_docs` registered, pinned documents."""
+                    question_len: int = QUESTION_LEN, staged: bool = False, **kw) -> tuple[ComposedHostEngine, list]:
+    """An engine whose composed requests fit one step, and its `num_docs` registered, pinned documents. `staged`: its
+    blended steps go through the blend graphs' staging, as on a GPU, the stand-in run eagerly over the static
+    inputs where the graph would be replayed."""
     ckpt = tiny_checkpoint("qwen3", max_position_embeddings=16384, num_hidden_layers=4)
     prompt_len = per_request * doc_len + question_len
     eng = ComposedHostEngine(ckpt, dtype="float32", max_model_len=prompt_len + 16, max_num_seqs=8,
                              max_num_batched_tokens=max(512, prompt_len), **kw)
+    if staged:
+        graphs = eng.executor.runner.blend_graphs
+        graphs.max_rows = eng.engine_config.max_num_batched_tokens   # as the runner sets it where graphs are captured
+        graphs.replay = lambda host, key, table, last_tokens, place: graphs.static_forward(host, table, last_tokens,
+                                                                                            place)
     rng = random.Random(0)
     vocab = eng.model_config.vocab_size
     docs = [eng.register_chunk([rng.randrange(3, vocab) for _ in range(doc_len)], pin=True) for _ in range(num_docs)]
@@ -182,10 +191,14 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+COMPOSED_CASES = [(mode, False) for mode in COMPOSED_MODES] + [
+    (mode, True) for mode, reuse in COMPOSED_MODES.items() if isinstance(reuse, Blend)]
+
+
 @pytest.mark.parametrize("doc_len", [512, 1024])
-@pytest.mark.parametrize("mode", list(COMPOSED_MODES))
-def test_composed_request_host_time(benchmark, one_thread, mode, doc_len):
-    eng, docs = composed_engine(doc_len)
+@pytest.mark.parametrize("mode, staged", COMPOSED_CASES, ids=[m + (", staged" if st else "") for m, st in COMPOSED_CASES])
+def test_composed_request_host_time(benchmark, one_thread, mode, staged, doc_len):
+    eng, docs = composed_engine(doc_len, staged=staged)
     rng = random.Random(1)
     vocab = eng.model_config.vocab_size
     reuse_mode = COMPOSED_MODES[mode]
@@ -201,7 +214,9 @@ def test_composed_request_host_time(benchmark, one_thread, mode, doc_len):
     benchmark.group = f"a composed request, {PER_REQUEST} x {doc_len} + {QUESTION_LEN} tokens: host only"
     benchmark.pedantic(one, setup=lambda: (composed_prompt(docs, rng, reuse_mode, vocab), {}),
                        rounds=COMPOSED_ROUNDS, iterations=1)
+    assert (eng.executor.runner.launches["blend", "graph"] > 0) == staged   # the path the case names
     ms = 1e3 * statistics.median(host)
+    mode = mode + (", staged" if staged else "")
     benchmark.extra_info.update(mode=mode, doc_len=doc_len, host_ms=ms, least_host_ms=1e3 * min(host),
                                 stand_in_forward_ms=1e3 * statistics.median(forward),
                                 note="thread CPU time, generate to first token, less the stand-in forward; not a "

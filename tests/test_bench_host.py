@@ -118,3 +118,27 @@ def test_a_composed_request_runs_on_the_host_only_engine_and_reports_its_reuse(m
     else:   # the last check layer's count
         assert recomputed == num_kept(check_ratios(0.15, 4)[-1], candidates) == num_kept(0.15, candidates)
     assert rest[-1].recomputed == question and page == eng.page_size
+
+
+@pytest.mark.parametrize("mode", ["blend r=0.15", "chunk-heads r=0.15"])
+def test_a_blend_staged_into_a_blend_graphs_static_inputs_selects_as_the_eager_step(mode):
+    """The benchmark's "staged" blends (the blend graphs' staging, as a GPU runs a blended step, the stand-in over
+    the static inputs where the graph would be replayed) take the graph path and give the eager step's token and
+    report: the stand-in's padded selection keeps the rows its eager selection keeps."""
+    import random
+
+    from benchmarks.bench_host import COMPOSED_MODES, composed_engine, composed_host_seconds, composed_prompt
+
+    outs = []
+    for staged in (False, True):
+        eng, docs = composed_engine(32, num_docs=4, per_request=3, question_len=8, staged=staged, device=DEVICE)
+        prompt, reuse = composed_prompt(docs, random.Random(0), COMPOSED_MODES[mode], eng.model_config.vocab_size, 3, 8)
+        outs.append(composed_host_seconds(eng, prompt, reuse)[2])
+        assert eng.executor.runner.launches["blend", "graph"] == staged   # an eager blended step counts as mixed
+    eager, staged = outs
+
+    def counts(out):
+        return [(r.exact, r.blended, r.recomputed) for r in out.chunk_reuse]
+
+    assert staged.token_ids == eager.token_ids and counts(staged) == counts(eager)
+    assert sum(r.blended for r in staged.chunk_reuse) > 0
