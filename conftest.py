@@ -55,8 +55,10 @@ SMOKE = (
     # blend mode's two planted bugs die here in seconds: a wrong re-rotation, rows attending past their position
     "tests/test_kernels_relocate.py::test_relocating_a_rotated_key_by_delta_rotates_it_to_its_new_position",
     "tests/test_kernels_positions.py::test_explicit_positions_match_reference_and_the_implicit_pass_bitwise_in_pinned_cases",
-    "tests/test_blend.py::test_a_token_not_recomputed_carries_its_chunks_own_kv_with_k_rotated_to_its_new_position",
     "tests/test_blend.py::test_a_remembered_chunk_chain_is_reused_while_cached_and_resolved_again_once_evicted",   # no model
+    "tests/test_blend.py::test_a_token_not_recomputed_carries_its_chunks_own_kv_with_k_rotated_to_its_new_position",
+    # a composite prompt's id array (the pool's bytes, the runner's ids): no model, milliseconds
+    "tests/test_chunks.py::test_a_composite_prompts_id_array_is_its_ids_and_is_checked_against_the_vocabulary",
     # the README's Python blocks define every name they use (parsed, not run: milliseconds)
     "tests/test_readme.py::test_python_block_uses_only_names_it_or_its_section_defines",
     # whole files of unit tests against outside oracles (transformers' configs, warpers and models), milliseconds each

@@ -25,6 +25,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
+
 from chunkwise.limits import LIMIT
 from chunkwise.tokenizer import all_ints
 
@@ -167,6 +169,7 @@ class ChunkRegistry:
         self.num_issued = 0
         self.pinned: dict[int, object] = {}   # chunk id -> the engine's pin (its pages, or True)
         self.variants: dict[tuple[int, ...], set[ChunkContext]] = {}   # a chunk's ids -> its registered contexts
+        self.arrays: dict[int, np.ndarray] = {}   # chunk id -> its ids as a read-only int64 array, made once
 
     def issue(self, token_ids: list[int], context: ChunkContext = NO_CONTEXT) -> Chunk:
         chunk = Chunk(tuple(token_ids), self.num_issued, self.name, context)
@@ -245,11 +248,32 @@ class ChunkRegistry:
         ids: list = []
         found = []
         for j, p in enumerate([prompt] if isinstance(prompt, Chunk) else list(prompt)):
+            if isinstance(p, Chunk):   # its tuple's ids as they are: one copy, into the prompt's list
+                chunk = self.check(p, f"prompt {index} piece {j}")
+                found.append((chunk, len(ids), len(chunk.token_ids)))
+                ids += chunk.token_ids
+                continue
             piece_ids, chunk = self._piece(p, tokenizer, f"prompt {index} piece {j}")
             found.append((chunk, len(ids), len(piece_ids)))
             ids += piece_ids
         pieces = tuple(Piece(c, n, None if c is None else self.variant(c, ids, start)) for c, start, n in found)
         return ids, pieces
+
+    def ids_array(self, ids: list, pieces: tuple[Piece, ...]) -> np.ndarray:
+        """A composite prompt's ids (`pieces`' result) as one int64 array: each chunk's array made once, when a
+        prompt first holds it, and joined (a copy at memory speed); only the other pieces' ids are converted."""
+        parts, start = [], 0
+        for p in pieces:
+            if p.chunk is None:
+                parts.append(np.array(ids[start:start + p.num_tokens], np.int64))
+            else:
+                a = self.arrays.get(p.chunk.chunk_id)
+                if a is None:
+                    a = self.arrays[p.chunk.chunk_id] = np.array(p.chunk.token_ids, np.int64)
+                    a.flags.writeable = False
+                parts.append(a)
+            start += p.num_tokens
+        return np.concatenate(parts)
 
     def _piece(self, p, tokenizer, what: str) -> tuple[list, Chunk | None]:
         """One piece's ids and chunk (None for text or ids)."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from chunkwise.chunks import Blend, ChunkRegistry, Piece, check_reuse, is_composite
 from chunkwise.limits import LIMIT
 from chunkwise.model_config import ModelConfig
@@ -21,6 +23,9 @@ class Request:
     chunk_sizes: list[int] | None   # the caller's prefill chunk lengths, summing to the prompt length
     pieces: tuple[Piece, ...] | None = None   # a composite prompt's pieces, in order (chunkwise/chunks.py)
     reuse: str | Blend = "exact"              # "exact" or the Blend asked for ("blend" resolved to DEFAULT_BLEND)
+    # A composite prompt's ids as one int64 array, joined from its chunks' arrays (made once per chunk): the page
+    # pool takes its bytes from it instead of from a pass over prompt_token_ids. None for a plain prompt.
+    prompt_array: np.ndarray | None = None
 
 
 def validate_requests(model_config: ModelConfig, tokenizer, max_model_len: int, prompts, sampling_params=None,
@@ -42,12 +47,14 @@ def validate_requests(model_config: ModelConfig, tokenizer, max_model_len: int, 
         chunk_sizes = [chunk_sizes]
     prompts = [prompts] if is_composite(prompts) else as_prompt_list(prompts)
     pieces: list[tuple[Piece, ...] | None] = [None] * len(prompts)
+    arrays: dict[int, np.ndarray] = {}
     for i, p in enumerate(prompts):
         if is_composite(p):
             if chunks is None:
                 raise ValueError(f"prompt {i} holds chunks, which this engine does not take")
             prompts[i], pieces[i] = chunks.pieces(p, tokenizer, i)
-    ids = encode_prompts(prompts, tokenizer, model_config)
+            arrays[i] = chunks.ids_array(prompts[i], pieces[i])
+    ids = encode_prompts(prompts, tokenizer, model_config, arrays)
     n = len(ids)
     modes = per_prompt(reuse, n, "reuse", lambda v: isinstance(v, (str, Blend)), "a reuse mode or one per prompt")
     params = per_prompt(sampling_params, n, "sampling_params", is_params, "a SamplingParams or one per prompt")
@@ -66,7 +73,7 @@ def validate_requests(model_config: ModelConfig, tokenizer, max_model_len: int, 
                              f"prompt is prefilled in one step (its recompute is chosen over the whole prompt)")
         if mode != "exact" and pc is not None:
             c = [len(tokens)]
-        requests.append(Request(tokens, p, expand_chunk_sizes(c, len(tokens), i), pc, mode))
+        requests.append(Request(tokens, p, expand_chunk_sizes(c, len(tokens), i), pc, mode, arrays.get(i)))
     return requests
 
 

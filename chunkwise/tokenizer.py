@@ -60,12 +60,23 @@ def as_prompt_list(prompts) -> list:
     return list(prompts)
 
 
-def encode_prompts(prompts, tokenizer, cfg: ModelConfig) -> list[list[int]]:
+def encode_prompts(prompts, tokenizer, cfg: ModelConfig, arrays: dict | None = None) -> list[list[int]]:
     """Token ids of each prompt. ValueError names the prompt index for an empty prompt, a string
     without a tokenizer, or a token id outside [0, vocab_size); TypeError names it and the value for a
-    prompt that is neither a string nor a list, or an id that is not an integer."""
+    prompt that is neither a string nor a list, or an id that is not an integer. `arrays`: prompt index -> the
+    prompt's ids as an int64 array, for a list of plain ints made with one (a composite prompt's,
+    chunkwise/chunks.py): taken as it is and checked against the vocabulary on the array, with no pass over the
+    list."""
     out = []
+    arrays = arrays or {}
     for i, p in enumerate(as_prompt_list(prompts)):
+        if i in arrays:
+            bad = PROMPT_TOKEN_ID.first_outside(arrays[i], vocab_size=cfg.vocab_size)
+            if bad is not None:
+                raise ValueError(f"prompt {i} holds token id {bad!r}, outside the vocabulary "
+                                 f"{PROMPT_TOKEN_ID.interval(vocab_size=cfg.vocab_size)}")
+            out.append(p)
+            continue
         if hasattr(p, "tolist"):
             p = p.tolist()
         if isinstance(p, str):

@@ -460,8 +460,8 @@ MUTANTS = [
            "        for page_id in reversed(seq.page_table[:seq.num_computed_tokens // self.page_size]):\n",
            "freeing a sequence gives back only its full pages; the partly filled tail page leaks"),
     Mutant("full_prefix_hit_computes_no_token", "chunkwise/engine/page_pool.py::PagePool.probe_prefix",
-           "        data = token_bytes(seq.token_ids[:(seq.num_tokens - 1) // self.page_size * self.page_size])\n",
-           "        data = token_bytes(seq.token_ids[:seq.num_tokens // self.page_size * self.page_size])\n",
+           "self.seq_bytes(seq, (seq.num_tokens - 1) // self.page_size * self.page_size)",
+           "self.seq_bytes(seq, seq.num_tokens // self.page_size * self.page_size)",
            "a prompt whose pages are all cached takes every one, leaving no token to compute"),
     Mutant("page_hash_ignores_its_parent", "chunkwise/engine/page_pool.py::page_hash",
            "    return hashlib.sha256(parent + tokens).digest()\n",
@@ -702,8 +702,8 @@ MUTANTS = [
            "        exact = min(p.num_tokens, num_cached_tokens)\n",
            "chunk_reuse credits each piece with the cached tokens from the prompt's start, not from its own start"),
     Mutant("chunks_hoisted_before_plain_pieces", "chunkwise/chunks.py::ChunkRegistry.pieces",
-           "            ids += piece_ids\n",
-           "            ids = piece_ids + ids if chunk is not None else ids + piece_ids\n",
+           "                ids += chunk.token_ids\n",
+           "                ids[:0] = chunk.token_ids\n",
            "each chunk piece of a composite is put in front of the ids so far instead of after them, so a chunk "
            "follows another predecessor than the prompt says"),
     # ---- an unplanted sample (2026-11-25): written by someone who had not seen the tests, in code the catalogue did
@@ -1266,11 +1266,12 @@ MUTANTS = [
            "if real > self.max_rows or d > self.max_decodes:",
            "a blend graph takes a step whose prefill rows fit but whose decodes beside them do not: more rows than "
            "the graphs were sized for"),
-    Mutant("blend_chain_reused_while_its_pages_hold_other_tokens", "chunkwise/engine/page_pool.py::PagePool.still_cached",
-           "return all(pages[page_id].hash is h for page_id, h in chain)",
-           "return all(pages[page_id].hash is not None for page_id, h in chain)",
-           "a remembered chunk chain counts as still cached while its pages are cached at all: once evicted and "
-           "taken by another prompt, a blend places that prompt's K/V as the chunk's"),
+    # (h49host: the chain's check became page generations, bumped where a page leaves the cache)
+    Mutant("blend_chain_reused_while_its_pages_hold_other_tokens", "chunkwise/engine/page_pool.py::PagePool._take_page",
+           "        del self.cached[page.key]\n        self.generation[page_id] += 1\n",
+           "        del self.cached[page.key]\n",
+           "evicting a page leaves its generation as it was, so a remembered chunk chain counts as still cached once "
+           "its pages were evicted and taken by another prompt: a blend places that prompt's K/V as the chunk's"),
     # session 29, lead: a deviation that is rounding noise counts as 0 in both engines
     Mutant("blend_ranks_tokens_by_rounding_noise", "chunkwise/engine/model.py::Model._layers",
            "deviation = torch.where(deviation <= noise, torch.zeros_like(deviation), deviation)",
@@ -1278,6 +1279,25 @@ MUTANTS = [
            "the fast engine ranks placed tokens by deviations that are rounding noise (a token past the sliding "
            "window has the same K/V computed twice): which of them an adaptive blend recomputes differs from the "
            "reference's choice"),
+    # ---- h49host (issue #49 §2): a composed request's host work O(pieces): its ids as one array joined from its chunks'
+    # arrays (killed by tests/test_chunks.py), chains checked by page generations (the mutant above, re-anchored)
+    Mutant("composite_array_piece_one_token_off", "chunkwise/chunks.py::ChunkRegistry.ids_array",
+           "parts.append(np.array(ids[start:start + p.num_tokens], np.int64))",
+           "parts.append(np.array(ids[start + 1:start + 1 + p.num_tokens], np.int64))",
+           "a composite prompt's id array takes each text or id piece one token late: the pool probes and caches, "
+           "and the runner computes, ids the prompt does not hold"),
+    Mutant("chunk_arrays_shared_by_length", "chunkwise/chunks.py::ChunkRegistry.ids_array",
+           "a = self.arrays.get(p.chunk.chunk_id)\n                if a is None:\n"
+           "                    a = self.arrays[p.chunk.chunk_id] = np.array(p.chunk.token_ids, np.int64)",
+           "a = self.arrays.get(len(p.chunk))\n                if a is None:\n"
+           "                    a = self.arrays[len(p.chunk)] = np.array(p.chunk.token_ids, np.int64)",
+           "the chunks' id arrays are remembered by length: a prompt holding a chunk of the same length as one seen "
+           "before computes (and caches under) that other chunk's ids"),
+    Mutant("composite_array_admits_the_vocabulary_size", "chunkwise/tokenizer.py::encode_prompts",
+           "PROMPT_TOKEN_ID.first_outside(arrays[i], vocab_size=cfg.vocab_size)",
+           "PROMPT_TOKEN_ID.first_outside(arrays[i], vocab_size=cfg.vocab_size + 1)",
+           "a composite prompt's ids are checked against a vocabulary one id larger: an id piece holding vocab_size "
+           "passes validation and fails inside a step"),
 ]
 
 

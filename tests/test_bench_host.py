@@ -83,3 +83,62 @@ def test_the_prefill_loop_allows_twice_the_budgets_steps_plus_one():
 def test_a_stand_in_model_is_refused_by_name_under_tensor_parallelism():
     with pytest.raises(ValueError, match="model_class HashLogitsModel is not supported with tensor_parallel_size=2"):
         HostOnlyEngine("tiny-qwen3", max_model_len=64, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("mode", ["plain", "exact", "blend r=0.15", "chunk-heads r=0.15"])
+def test_a_composed_request_runs_on_the_host_only_engine_and_reports_its_reuse(mode):
+    """The composed-request benchmark's body on tiny counts: each mode reaches its first token, the stand-in forward's
+    time is counted apart, and what the request reused is the mode's (a blend's stand-in selection keeps the
+    check layers' counts: every chunk token after the exact first document is blended or recomputed)."""
+    import random
+
+    from benchmarks.bench_host import COMPOSED_MODES, composed_engine, composed_host_seconds, composed_prompt
+    from chunkwise.engine.blend import check_ratios, num_kept
+
+    page, doc_len, per_request, question = 16, 32, 3, 8
+    eng, docs = composed_engine(doc_len, num_docs=4, per_request=per_request, question_len=question, device=DEVICE)
+    prompt, reuse = composed_prompt(docs, random.Random(0), COMPOSED_MODES[mode], eng.model_config.vocab_size,
+                                    per_request, question)
+    host, forward, out = composed_host_seconds(eng, prompt, reuse)
+    assert host > 0 and forward > 0 and len(out.token_ids) == 1
+    if mode == "plain":
+        assert out.chunk_reuse is None and out.num_cached_tokens == doc_len   # the first document's pages
+        return
+    first, *rest = out.chunk_reuse
+    assert (first.exact, first.blended, first.recomputed) == (doc_len, 0, 0)
+    chunks = rest[:-1]
+    if mode == "exact":
+        assert all(r.exact == r.blended == 0 for r in chunks)
+        return
+    candidates = sum(r.blended + r.recomputed for r in chunks)   # every chunk token: each page is cached
+    assert candidates == (per_request - 1) * doc_len
+    recomputed = sum(r.recomputed for r in chunks)
+    if mode == "chunk-heads r=0.15":
+        assert [r.recomputed for r in chunks] == [round(0.15 * doc_len)] * (per_request - 1)
+    else:   # the last check layer's count
+        assert recomputed == num_kept(check_ratios(0.15, 4)[-1], candidates) == num_kept(0.15, candidates)
+    assert rest[-1].recomputed == question and page == eng.page_size
+
+
+@pytest.mark.parametrize("mode", ["blend r=0.15", "chunk-heads r=0.15"])
+def test_a_blend_staged_into_a_blend_graphs_static_inputs_selects_as_the_eager_step(mode):
+    """The benchmark's "staged" blends (the blend graphs' staging, as a GPU runs a blended step, the stand-in over
+    the static inputs where the graph would be replayed) take the graph path and give the eager step's token and
+    report: the stand-in's padded selection keeps the rows its eager selection keeps."""
+    import random
+
+    from benchmarks.bench_host import COMPOSED_MODES, composed_engine, composed_host_seconds, composed_prompt
+
+    outs = []
+    for staged in (False, True):
+        eng, docs = composed_engine(32, num_docs=4, per_request=3, question_len=8, staged=staged, device=DEVICE)
+        prompt, reuse = composed_prompt(docs, random.Random(0), COMPOSED_MODES[mode], eng.model_config.vocab_size, 3, 8)
+        outs.append(composed_host_seconds(eng, prompt, reuse)[2])
+        assert eng.executor.runner.launches["blend", "graph"] == staged   # an eager blended step counts as mixed
+    eager, staged = outs
+
+    def counts(out):
+        return [(r.exact, r.blended, r.recomputed) for r in out.chunk_reuse]
+
+    assert staged.token_ids == eager.token_ids and counts(staged) == counts(eager)
+    assert sum(r.blended for r in staged.chunk_reuse) > 0

@@ -265,8 +265,9 @@ def test_blended_prefills_join_overlapped_decodes_and_every_request_gets_its_own
 
 def test_a_remembered_chunk_chain_is_reused_while_cached_and_resolved_again_once_evicted():
     """Blender._chain_pages remembers a chunk's whole chain of cached pages (host work O(pieces) per request), and
-    gives it back only while each page is still cached under the same hash: evicted and re-cached, or taken by
-    another prompt, the chunk's pages are looked up again from its tokens."""
+    gives it back only while no page of it has left the cache (the pool's generations, stamped when it was
+    resolved): evicted and re-cached, or taken by another prompt, the chunk's pages are looked up again from its
+    tokens."""
     from chunkwise.engine.blend import Blender
     from chunkwise.engine.page_pool import PagePool
     from chunkwise.engine.sequence import Sequence
@@ -285,17 +286,20 @@ def test_a_remembered_chunk_chain_is_reused_while_cached_and_resolved_again_once
         pool.free(seq)
 
     compute(0, ids)
-    first = blender._chain_pages(piece, pool)
+    def chain(p):
+        return blender._chain_pages(p, pool).tolist()
+
+    first = chain(piece)
     assert first == pool.chain_pages(ids) and len(first) == 2 and key in blender.chains
-    assert blender._chain_pages(piece, pool) == first   # remembered, still cached
+    assert chain(piece) == first   # remembered, still cached
     compute(1, seeded_ids(24, "evicts"))   # six pages: every cached page of the chunk is evicted
-    assert pool.chain_pages(ids) == [] and blender._chain_pages(piece, pool) == []
+    assert pool.chain_pages(ids) == [] and chain(piece) == []
     assert key not in blender.chains
-    compute(2, ids)   # cached again (new hashes): resolved again, then remembered
-    assert blender._chain_pages(piece, pool) == pool.chain_pages(ids) and len(pool.chain_pages(ids)) == 2
+    compute(2, ids)   # cached again (new generations): resolved again, then remembered
+    assert chain(piece) == pool.chain_pages(ids) and len(pool.chain_pages(ids)) == 2
     context = seeded_ids(3, "context")   # a variant: its chain is context + chunk's, remembered under its context
     compute(3, context + ids)
     after = Piece(piece.chunk, len(ids), ChunkContext(tuple(context)))
-    assert blender._chain_pages(after, pool) == pool.chain_pages(context + ids)
+    assert chain(after) == pool.chain_pages(context + ids)
     assert len(pool.chain_pages(context + ids)) == 3
     assert (7, after.context) in blender.chains

@@ -103,6 +103,31 @@ class ComputedPrefixes:
         return best
 
 
+def test_a_composite_prompts_id_array_is_its_ids_and_is_checked_against_the_vocabulary(
+        tiny_ckpt_with_byte_tokenizer):
+    """validate_requests gives a composite prompt its ids as one int64 array (each chunk's made once, joined with
+    its other pieces'), from which the page pool takes its bytes and the runner its ids: it equals the prompt's ids
+    for chunks of one length, text and id pieces in any order, and is what the vocabulary check reads (the last id
+    passes, vocab_size is refused by name). A plain prompt has none."""
+    import numpy as np
+
+    from chunkwise.chunks import ChunkRegistry
+    from chunkwise.model_config import ModelConfig
+    from chunkwise.tokenizer import load_tokenizer
+
+    ckpt = tiny_ckpt_with_byte_tokenizer
+    cfg, tok = ModelConfig.from_dir(ckpt), load_tokenizer(ckpt)
+    registry = ChunkRegistry("test")
+    a, b = registry.issue(seeded_ids(6, "a")), registry.issue(seeded_ids(6, "b"))   # one length
+    prompts = [[a, [5, 6, 7], b, "hi", a], [b, a], [[9], b, [VOCAB - 1]], [a]]
+    for _ in range(2):   # the chunks' arrays made, then reused
+        for r in validate_requests(cfg, tok, MAX_MODEL_LEN, prompts, chunks=registry):
+            assert r.prompt_array.dtype == np.int64 and r.prompt_array.tolist() == r.prompt_token_ids
+    assert validate_requests(cfg, tok, MAX_MODEL_LEN, [[5, 6, 7]], chunks=registry)[0].prompt_array is None
+    with pytest.raises(ValueError, match=rf"prompt 1 holds token id {VOCAB}, outside the vocabulary \[0, {VOCAB}\)"):
+        validate_requests(cfg, tok, MAX_MODEL_LEN, [[a], [b, [3, VOCAB, -1]]], chunks=registry)
+
+
 @st.composite
 def scenarios(draw):
     page_size = draw(st.sampled_from([2, 3, 4, 8]))

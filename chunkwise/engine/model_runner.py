@@ -118,8 +118,7 @@ class ModelRunner:
             ids = np.full(len(pos), -1, np.int64)
             known = np.ones(len(pos), bool)
             known[(ends - 1)[pending]] = False
-            ids[known] = np.fromiter(itertools.chain.from_iterable(s.token_ids[c:c + k] for s, k, _, c in entries),
-                                     np.int64, len(pos) - int(pending.sum()))
+            ids[known] = self._known_ids(entries, len(pos) - int(pending.sum()))
         else:   # decodes only: each computes its last token
             ids = np.array([s.token_ids[-1] for s in seqs], np.int64)
             ids[pending] = -1
@@ -141,6 +140,19 @@ class ModelRunner:
                         needs_logits=any(s.sampling_params.needs_logits for s, _, keep, _ in entries if keep),
                         page_changes=batch.page_changes)
         return host, [e[0] for e in entries if e[2]]
+
+    @staticmethod
+    def _known_ids(entries, count: int) -> np.ndarray:
+        """int64 [count]: the known ids the entries (seq, n, samples, start) compute, in order. Prompt tokens of a
+        request with an id array (a composite prompt's, chunkwise/requests.py) are sliced from it, the others
+        read from the token lists in one pass."""
+        arrays = [s.request.prompt_array if s.request is not None else None for s, _, _, _ in entries]
+        if all(a is None for a in arrays):
+            return np.fromiter(itertools.chain.from_iterable(s.token_ids[c:c + k] for s, k, _, c in entries),
+                               np.int64, count)
+        return np.concatenate([a[c:c + k] if a is not None and c + k <= len(a)
+                               else np.fromiter(s.token_ids[c:c + k], np.int64)
+                               for a, (s, k, _, c) in zip(arrays, entries)])
 
     def _cascade(self, rows: np.ndarray, seq_lens: np.ndarray) -> CascadeGroups | None:
         """The split-KV decodes' shared splits (decodes in page-table `rows`, holding `seq_lens` tokens), when

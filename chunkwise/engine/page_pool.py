@@ -16,6 +16,12 @@ The pool also reports what it changed in sequences' page tables, for the runner'
 (`PageTables`): `take_changes` hands over, as a `PageChanges`, the pages each sequence took since the last
 call (from which column of its table) and the sequences whose pages were freed since (finished, preempted,
 aborted or failed: their rows are released). Nothing downstream compares page tables to find out.
+
+A remembered chain (a registered chunk's pages, looked up once: chunkwise/engine/blend/blender.py) is checked with
+`generation`, a number per page bumped whenever the page leaves the cache: the chain's pages are still the ones its
+tokens were cached in while their generations are those stamped when it was resolved (one numpy comparison over
+the chain, not a Python step per page). A prompt's bytes come from its request's id array when it has one (a
+composite prompt's, joined from its chunks' arrays at validation), not from a pass over its Python ints.
 """
 from __future__ import annotations
 
@@ -76,6 +82,7 @@ class PagePool:
         self.evictable: OrderedDict[int, None] = OrderedDict()   # least recently freed first
         self.cached: dict[bytes, int] = {}                        # parent_hash + tokens -> page id
         self.pins: dict[int, int] = {}                            # pinned page id -> pins holding it (>= 1)
+        self.generation = np.zeros(num_pages, np.int64)           # bumped each time a page leaves the cache
         # What take_changes reports next: seq id -> (first column, pages taken since), and the seq ids freed since
         # (an ordered set).
         self._new: dict[int, tuple[int, list[int]]] = {}
@@ -101,11 +108,25 @@ class PagePool:
         found: list[tuple[int, bytes]] = []
         if not self.enable_prefix_caching:
             return found
+        return self._walk(self.seq_bytes(seq, (seq.num_tokens - 1) // self.page_size * self.page_size))
+
+    def seq_bytes(self, seq: Sequence, n: int, lo: int = 0) -> bytes:
+        """`token_bytes` of seq's tokens lo..n-1: a slice of its request's id array when they are prompt tokens and
+        it has one (a composite prompt: no pass over its Python ints), else made from its token ids."""
+        request = seq.request
+        ids = request.prompt_array if request is not None else None
+        if ids is not None and n <= len(ids):
+            return ids[lo:n].tobytes()
+        return token_bytes(seq.token_ids[lo:n])
+
+    def _walk(self, data: bytes) -> list[tuple[int, bytes]]:
+        """The cached pages (page id, chain hash) continuing the chain of `data`, token bytes of whole pages, from
+        the start. Prompts run to many thousands of tokens: their bytes are made in one pass and sliced per page."""
+        found: list[tuple[int, bytes]] = []
+        if not self.enable_prefix_caching:
+            return found
         parent = b""
-        # Prompts run to many thousands of tokens, probed at each admission attempt: their bytes are made in one
-        # pass and sliced per page.
         step = TOKEN_BYTES * self.page_size
-        data = token_bytes(seq.token_ids[:(seq.num_tokens - 1) // self.page_size * self.page_size])
         for lo in range(0, len(data), step):
             page_id = self.cached.get(parent + data[lo:lo + step])
             if page_id is None:
@@ -118,27 +139,23 @@ class PagePool:
         """The cached pages continuing the hash chain of token_ids' full pages from the start; changes nothing."""
         return [page_id for page_id, _ in self.chain(token_ids)]
 
-    def chain(self, token_ids) -> list[tuple[int, bytes]]:
-        """`chain_pages` with each page's chain hash: while `still_cached` holds, the same pages."""
-        found: list[tuple[int, bytes]] = []
-        if not self.enable_prefix_caching:
-            return found
-        parent = b""
-        step = TOKEN_BYTES * self.page_size
-        data = token_bytes(token_ids[:len(token_ids) // self.page_size * self.page_size])
-        for lo in range(0, len(data), step):
-            page_id = self.cached.get(parent + data[lo:lo + step])
-            if page_id is None:
-                break
-            parent = self.pages[page_id].hash
-            found.append((page_id, parent))
-        return found
+    def seq_chain_pages(self, seq: Sequence, n: int) -> list[int]:
+        """`chain_pages` of seq's first n tokens (their bytes from `seq_bytes`)."""
+        return [page_id for page_id, _ in self._walk(self.seq_bytes(seq, n // self.page_size * self.page_size))]
 
-    def still_cached(self, chain: list[tuple[int, bytes]]) -> bool:
-        """Whether every page of a `chain` result is still cached under the same hash object (not evicted since:
-        a page cached again gets a new one), so that the chain can be reused without its tokens' bytes."""
-        pages = self.pages
-        return all(pages[page_id].hash is h for page_id, h in chain)
+    def chain(self, token_ids) -> list[tuple[int, bytes]]:
+        """`chain_pages` with each page's chain hash."""
+        return self._walk(token_bytes(token_ids[:len(token_ids) // self.page_size * self.page_size]))
+
+    def stamp(self, page_ids: np.ndarray) -> np.ndarray:
+        """The generations of cached pages (int64 [n]), for `still_cached` to compare later."""
+        return self.generation[page_ids]
+
+    def still_cached(self, page_ids: np.ndarray, stamp: np.ndarray) -> bool:
+        """Whether pages stamped while cached (`stamp`) have not left the cache since (an evicted page that is
+        cached again, under its old tokens or others, has a new generation), so that a chain resolved from its
+        tokens can be reused without them: one comparison over the chain."""
+        return bool(np.array_equal(self.generation[page_ids], stamp))
 
     @property
     def num_pinned_pages(self) -> int:
@@ -230,6 +247,7 @@ class PagePool:
         page_id, _ = self.evictable.popitem(last=False)
         page = self.pages[page_id]
         del self.cached[page.key]
+        self.generation[page_id] += 1
         page.hash, page.parent_hash, page.tokens = None, b"", b""
         return page_id
 
@@ -243,9 +261,12 @@ class PagePool:
         if num_full > len(seq.page_table):
             raise ValueError(f"sequence {seq.seq_id} has {num_tokens} computed tokens but only "
                              f"{len(seq.page_table)} pages")
-        for i in range(len(seq.page_hashes), num_full):
+        first, ps = len(seq.page_hashes), self.page_size
+        data = self.seq_bytes(seq, num_full * ps, first * ps)   # the new full pages' bytes, made at once
+        step = TOKEN_BYTES * ps
+        for i in range(first, num_full):
             parent = seq.page_hashes[-1] if seq.page_hashes else b""
-            tokens = token_bytes(seq.token_ids[i * self.page_size:(i + 1) * self.page_size])
+            tokens = data[(i - first) * step:(i - first + 1) * step]
             h = page_hash(parent, tokens)
             seq.page_hashes.append(h)
             page = self.pages[seq.page_table[i]]

@@ -128,7 +128,7 @@ class Scheduler:
         bm = self.page_pool
         pinned = set(bm.pins).union(pinning)
         # Pinned pages it starts with are shared, not taken from the rest (the last token is never taken).
-        shared = sum(1 for p in bm.chain_pages(seq.token_ids[:-1]) if p in pinned) if pinned else 0
+        shared = sum(1 for p in bm.seq_chain_pages(seq, len(seq.token_ids) - 1) if p in pinned) if pinned else 0
         if bm.pages_needed(most) > bm.num_pages - len(pinned) + shared:
             pins = f", {len(pinned) - shared} of them pinned by chunks it does not start with" if pinned else ""
             raise ValueError(f"{name or f'sequence {seq.seq_id}'}: {seq.num_prompt_tokens} prompt tokens + "

@@ -9,6 +9,11 @@ every run and device (no generator: a CUDA graph can capture it). An engine runs
         model_class = HashLogitsModel
 
 (benchmarks/bench_host.py, the benchmarks' CPU tier). One device only: tensor parallelism refuses it.
+
+A step with a row plan (a blend's, chunkwise/engine/row_plan.py) selects its rows as the model's check layers do
+(`select_rows`, or `select_padded` over a blend graph's static inputs), with a deviation hashed from each row's id
+and position instead of its K/V's, and leaves the rows kept in `plan.kept`: its report and the rows sampled are
+then a real selection's. Placing K/V (`place`) writes nothing.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from chunkwise.model_config import ModelConfig
 from chunkwise.kernels.split_kv import DEFAULT_SPLIT_SIZE
 from chunkwise.engine.kv_cache import LayerCaches
 from chunkwise.engine.model import StepInputs
+from chunkwise.engine.row_plan import RowInputs, select_padded, select_rows
 from chunkwise.engine.distributed.tensor_parallel import TensorParallel
 
 _MOD = 65521                     # a prime: every residue of a row's key gives a different argmax column
@@ -38,9 +44,24 @@ class HashLogitsModel:
         self.columns = torch.arange(cfg.vocab_size, dtype=torch.int64, device=device) * _COLUMN
 
     def forward(self, inp: StepInputs, kv_caches: LayerCaches, place: bool = True) -> torch.Tensor:
+        ids, positions = inp.input_ids, inp.positions
+        plan = inp.row_plan
+        if plan is not None:   # the rows that reach the last layer (logits_indices count in them)
+            kept, placed = torch.arange(ids.shape[0], device=ids.device), plan.placed
+            for layer in sorted(plan.checks):
+                deviation = ((ids[kept] % _MOD * _COLUMN + positions[kept]) % _MOD).to(torch.float32)
+                check = plan.checks[layer]
+                keep = (select_rows(check, deviation, placed) if check.padded is None
+                        else select_padded(check.padded, deviation, placed))
+                kept, placed = kept[keep], placed[keep]
+            plan.kept = kept
+            ids, positions = ids[kept], positions[kept]
         rows = inp.logits_indices
-        key = (inp.input_ids[rows] % _MOD * _ROW + inp.positions[rows]) % _MOD
+        key = (ids[rows] % _MOD * _ROW + positions[rows]) % _MOD
         return ((key[:, None] + self.columns[None, :]) % _MOD).to(torch.float32) / _MOD
+
+    def place(self, plan: RowInputs, kv_caches: LayerCaches) -> None:
+        """No K/V to place."""
 
     def warm_up_deterministic(self, max_rows: int) -> None:
         """Nothing to compile."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from chunkwise.chunks import Blend, ChunkReuse
@@ -28,9 +29,10 @@ class Blender:
     def __init__(self, num_layers: int):
         self.num_layers = num_layers
         self.records: dict[int, _Record] = {}   # seq id -> its record, from its first plan until it finishes
-        # (chunk id, context) -> its variant's whole chain of cached pages (page id, chain hash), resolved once and
-        # reused while every page is still cached: a request's host work is then O(pieces), not O(tokens)
-        self.chains: dict[tuple, list[tuple[int, bytes]]] = {}
+        # (chunk id, context) -> its variant's whole chain of cached pages (page ids, their generations), resolved
+        # once and reused while no page of it has left the cache: a request's host work is then O(pieces), not
+        # O(tokens) (its bytes) or O(pages) (a Python step per page)
+        self.chains: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
     def plan(self, seq, pool) -> RowPlan | None:
         """The row plan of `seq`'s prefill in the step being scheduled, or None: a request that does not blend,
@@ -44,21 +46,22 @@ class Blender:
         self.records[seq.seq_id] = _Record(job, request.pieces)
         return job.rows
 
-    def _chain_pages(self, piece, pool) -> list[int]:
-        """The cached pages of a chunk piece's variant (context then chunk): its remembered chain while still
-        cached, else resolved (and remembered when whole: every full page of context + chunk cached)."""
+    def _chain_pages(self, piece, pool) -> np.ndarray:
+        """The cached pages (int64) of a chunk piece's variant (context then chunk): its remembered chain while
+        still cached, else resolved (and remembered when whole: every full page of context + chunk cached)."""
         key = piece.chunk.chunk_id, piece.context
         chain = self.chains.get(key)
-        if chain is None or not pool.still_cached(chain):
-            ids = piece.context.token_ids + piece.chunk.token_ids
-            chain = pool.chain(ids)
-            if len(chain) == len(ids) // pool.page_size:
-                if len(self.chains) >= MAX_CHAINS:   # the oldest remembered goes (resolved again if it comes back)
-                    del self.chains[next(iter(self.chains))]
-                self.chains[key] = chain
-            else:
-                self.chains.pop(key, None)
-        return [page_id for page_id, _ in chain]
+        if chain is not None and pool.still_cached(*chain):
+            return chain[0]
+        ids = piece.context.token_ids + piece.chunk.token_ids
+        pages = np.array(pool.chain_pages(ids), np.int64)
+        if len(pages) == len(ids) // pool.page_size:
+            if len(self.chains) >= MAX_CHAINS:   # the oldest remembered goes (resolved again if it comes back)
+                del self.chains[next(iter(self.chains))]
+            self.chains[key] = pages, pool.stamp(pages)
+        else:
+            self.chains.pop(key, None)
+        return pages
 
     def approximate_from(self, seq) -> int | None:
         """Where `seq`'s K/V stop being exact (its blend's c0) while it holds blended K/V; None when they are exact
