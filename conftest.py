@@ -145,11 +145,31 @@ def _smoke_rank(item) -> int:
     return next((i for i, s in enumerate(SMOKE) if node == s or node.startswith(s + "::")), len(SMOKE))
 
 
+def _keep_xdist_groups(config, items) -> None:
+    """Under `--dist loadgroup`, suffix each node id with `@` and its xdist_group, where this pytest keeps the id.
+
+    pytest-xdist's workers mark a group by setting `item._nodeid`; pytest 9.2 keeps the id in `item._id`, so
+    that assignment is lost and loadgroup schedules like load: the real checkpoints' tests ran on both workers
+    (two of their models in memory at once) and a module-scoped fixture of a group ran once per worker."""
+    # a worker's own --dist is "no"; xdist sets its option `loadgroup` when the run's --dist is loadgroup
+    if not getattr(config.option, "loadgroup", False) or not items or not hasattr(items[0], "_id"):
+        return
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        suffix = "@" + "_".join(names)
+        if names and not item.nodeid.endswith(suffix):
+            item._id = NodeId.parse(item.nodeid + suffix)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if _smoke_rank(item) < len(SMOKE):
             item.add_marker(pytest.mark.smoke)
     items.sort(key=_smoke_rank)   # stable: the smoke tier first, in SMOKE's order; the rest in collection order
+    _keep_xdist_groups(config, items)
     # benchmarks/ is collected (testpaths) so that `pytest --benchmark-only` finds it, but its items run
     # only when benchmarks are asked for: a plain test run stays the test suite.
     if not _benchmarks_wanted(config):

@@ -115,6 +115,7 @@ SELECTION = [
     "tests/test_bench_blend_quality.py::test_a_two_hop_answer_needs_both_its_documents",      # quality bench's
     "tests/test_bench_blend_quality.py::test_batched_forcing_equals_the_reference_extend_per_prompt",   # parts
     "tests/test_cli.py::test_a_bad_argument_is_one_line_naming_it_and_exit_status_1",   # no model runs
+    "tests/test_xdist_groups.py",   # CI's loadgroup keeps a group on one worker: a pytest under -n 2, seconds
 ]
 SMOKE_MARKER = "smoke"   # conftest.py runs these first in any selection
 DEFAULT_TIMEOUT = 900   # seconds per mutant: more than the whole selection takes unmutated on 2 cores
@@ -1298,6 +1299,13 @@ MUTANTS = [
            "PROMPT_TOKEN_ID.first_outside(arrays[i], vocab_size=cfg.vocab_size + 1)",
            "a composite prompt's ids are checked against a vocabulary one id larger: an id piece holding vocab_size "
            "passes validation and fails inside a step"),
+    # ---- h48ci: CI under 15 minutes (issue #48): loadgroup keeps an xdist_group on one worker ----
+    Mutant("xdist_groups_left_unsuffixed", "conftest.py::pytest_collection_modifyitems",
+           "    _keep_xdist_groups(config, items)\n",
+           "    pass\n",
+           "the node ids are left without their @group suffix under pytest 9.2: --dist loadgroup schedules like "
+           "load, the real checkpoints' tests run on both workers (two models in memory) and a group's module "
+           "fixture runs once per worker"),
 ]
 
 

@@ -59,7 +59,7 @@ def run(ckpt, prompts, page_size, chunks, cascade):
         eng.executor.runner.launches
 
 
-@settings(max_examples=settings().max_examples // 5)   # ci: 2 drawn besides the pinned ones
+@settings(max_examples=max(1, settings().max_examples // 10))   # ci: 1 drawn besides the pinned ones
 @example(shared=2 * SPLIT, tails=(1, 9, 30), page_size=16, chunk=None)        # prefix ends on a split boundary
 @example(shared=2 * SPLIT + 37, tails=(5, 5, 12), page_size=5, chunk=50)      # inside a split, odd pages
 @given(shared=st.integers(SPLIT - 10, 3 * SPLIT), tails=st.lists(st.integers(1, 40), min_size=2, max_size=4),

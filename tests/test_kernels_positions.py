@@ -88,7 +88,7 @@ def test_explicit_positions_match_reference_and_the_implicit_pass_bitwise_in_pin
 
 
 @given(data=st.data())
-@settings(max_examples=3 * settings.default.max_examples)
+@settings(max_examples=2 * settings.default.max_examples)   # the pinned cases above carry the edges
 def test_explicit_positions_match_reference_and_the_implicit_pass_bitwise(data, device):
     heads = data.draw(st.sampled_from(HEADS), label="heads")
     head_dim = data.draw(st.sampled_from([64, 80]), label="head_dim")
