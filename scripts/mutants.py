@@ -1306,6 +1306,12 @@ MUTANTS = [
            "the node ids are left without their @group suffix under pytest 9.2: --dist loadgroup schedules like "
            "load, the real checkpoints' tests run on both workers (two models in memory) and a group's module "
            "fixture runs once per worker"),
+    # ---- session 30: a direct call on a served engine waits for the engine thread (EngineLoop.paused) ----
+    Mutant("paused_takes_no_turn", "chunkwise/serve/engine_loop.py::EngineLoop.paused",
+           "            with transport.turn:\n",
+           "            if True:\n",
+           "paused() does not hold the engine thread: a direct generate steps the core beside it, with the server's "
+           "request in flight, and each takes the other's outputs"),
 ]
 
 

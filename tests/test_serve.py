@@ -31,6 +31,7 @@ from chunkwise.engine import Engine
 from chunkwise.sampling import SamplingParams
 from chunkwise.serve.cli import serving
 from chunkwise.engine.stop_strings import StopStrings
+from served import DirectEngine
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-chat"
@@ -56,7 +57,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def engine(server):
-    return server.state.engine
+    return DirectEngine(server.state.loop)
 
 
 def expected(engine, prompts, **params) -> list:
@@ -102,6 +103,22 @@ def test_the_server_keeps_an_idle_connection_longer_than_openais_client_does(ser
     # the openai client keeps httpx's default
     import httpx
     assert server.config.timeout_keep_alive > httpx.Limits().keepalive_expiry
+
+
+def test_a_direct_engine_call_under_paused_waits_for_the_servers_request_and_both_keep_their_outputs(server, client):
+    """EngineLoop.paused() holds the engine thread once it is idle: a direct `generate` entered while a streamed
+    request is in flight waits for it, so neither steps the other's request or takes its outputs."""
+    loop, prompt = server.state.loop, [11, 12, 13, 14, 15, 16]
+    with loop.paused() as eng:
+        want = eng.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY))[0]
+    stream = iter(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, stream=True,
+                                            extra_body={"ignore_eos": True}, **GREEDY))
+    first = next(stream)   # the engine thread has stepped the request at least once
+    with loop.paused() as eng:
+        assert not eng.has_unfinished(), "paused() held the engine thread with the server's request in flight"
+        direct = eng.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY))[0]
+    streamed = first.choices[0].text + "".join(c.choices[0].text for c in stream)
+    assert direct.token_ids == want.token_ids and streamed == want.text
 
 
 def test_completions_whole_and_streamed_equal_the_engines_own(engine, client):
@@ -678,7 +695,7 @@ def test_without_a_tokenizer_text_prompts_and_stop_strings_are_refused_and_token
     """A model without a tokenizer: text prompts and stop strings are 400s naming the field; logprobs name each token
     "token_id:N" (vLLM's form), with no text and so every text_offset 0."""
     want = expected(engine, [[84, 85]], max_tokens=2, logprobs=0, ignore_eos=True)[0]
-    monkeypatch.setattr(engine, "tokenizer", None)
+    monkeypatch.setattr(engine.served, "tokenizer", None)
     for fields, param in (({"prompt": "the cat"}, "prompt"), ({"prompt": [84, 85], "stop": "x"}, "stop")):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, max_tokens=2, **fields)
@@ -736,7 +753,7 @@ def small(chat_ckpt):
 
 
 def test_a_chat_without_max_tokens_may_generate_up_to_max_model_len(small):
-    engine = small.state.engine
+    engine = DirectEngine(small.state.loop)
     messages = [{"role": "user", "content": "hi"}]
     room = SMALL_LEN - len(chat_ids(engine, messages))
     assert room == 4
@@ -749,7 +766,7 @@ def test_a_chat_without_max_tokens_may_generate_up_to_max_model_len(small):
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_prompt_plus_max_tokens_of_exactly_max_model_len_is_served_and_one_more_is_a_400(small, chat):
-    engine, client = small.state.engine, small.client
+    engine, client = DirectEngine(small.state.loop), small.client
     messages = [{"role": "user", "content": "hi"}]
     prompt = chat_ids(engine, messages) if chat else list(range(90, 90 + SMALL_LEN - 3))
 

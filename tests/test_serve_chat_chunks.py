@@ -24,6 +24,7 @@ from chunkwise.sampling import SamplingParams
 from chunkwise.serve.chat import splice_chat
 from chunkwise.serve.cli import serving
 from chunkwise.serve.protocol import ChatMessage
+from served import DirectEngine
 
 MODEL = "tiny-chat"
 PAGE = 4
@@ -160,7 +161,7 @@ def test_chat_chunk_parts_over_http_give_the_engines_generate_of_the_spliced_pro
     assert len(seen) == 1 and seen[0].prompt_token_ids == ids, "the engine did not get the spliced prompt"
     assert [(p.chunk, p.num_tokens) for p in seen[0].pieces] == \
         [(p if isinstance(p, Chunk) else None, len(p)) for p in pieces]
-    engine = server.state.engine
+    engine = DirectEngine(server.state.loop)
     out = engine.generate([ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert r.choices[0].message.content == out.text
     assert r.usage.prompt_tokens == len(ids)

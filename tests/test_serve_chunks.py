@@ -22,6 +22,7 @@ from chunkwise.chunks import Blend
 from chunkwise.engine import Engine
 from chunkwise.sampling import SamplingParams
 from chunkwise.serve.cli import serving
+from served import DirectEngine
 
 MODEL = "tiny-bytes"
 PAGE = 4
@@ -42,7 +43,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def engine(server):
-    return server.state.engine
+    return DirectEngine(server.state.loop)
 
 
 @pytest.fixture(scope="module")

@@ -5,16 +5,25 @@ The server's messages go into an inbox that wakes the engine thread, which the d
 driver's messages are handled at once on the engine thread (the client decodes the outputs there and `Streams`
 hands them to the event loop). Because the same thread adds a request and later routes its outputs, no output can
 arrive before its queue is known. engine_core.py is the other transport: the same driver in a process of its own.
+
+The engine thread is the engine's only stepper: another thread that calls the Engine directly (`generate`,
+`register_chunk`) while it runs would step the same core, and each would take the other's outputs. `paused()` holds
+the engine thread, once idle, for such a caller.
 """
 from __future__ import annotations
 
 import cProfile
 import queue
 import threading
+import time
+from contextlib import contextmanager
 
 from chunkwise.serve.client import EngineClient
 from chunkwise.serve.driver import EngineDriver
 from chunkwise.serve.messages import Stop
+
+
+PAUSE_POLL_S = 0.0005   # how often a driver let go of the turn looks again while a pauser wants it
 
 
 class _ThreadTransport:
@@ -25,16 +34,29 @@ class _ThreadTransport:
         self.send = handle
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
+        self.turn = threading.Lock()   # held by whoever steps the engine: the engine thread, or a pauser
+        self.pausers = 0               # pausers waiting for or holding the turn
+        self.count = threading.Lock()  # guards `pausers`
 
     def put(self, message) -> None:
         self._inbox.put(message)
         self._wake.set()
 
     def recv(self, wait: bool) -> list:
-        if wait:
+        """What the server sent. A driver with nothing in flight (`wait`) lets go of the turn while it waits, so a
+        pauser may take it, and takes it back before it handles what came."""
+        if not wait:
+            self._wake.clear()
+            return list(_drained(self._inbox))
+        self.turn.release()
+        try:
             self._wake.wait()
-        self._wake.clear()
-        return list(_drained(self._inbox))
+            self._wake.clear()
+            return list(_drained(self._inbox))
+        finally:
+            while self.pausers:   # a lock is not fair: a woken driver could take the turn before a pauser
+                time.sleep(PAUSE_POLL_S)
+            self.turn.acquire()
 
 
 class EngineLoop(EngineClient):
@@ -50,9 +72,29 @@ class EngineLoop(EngineClient):
 
     def start(self, profile: cProfile.Profile | None = None) -> None:
         """Starts the engine thread (its driver run under `profile`, if given: cProfile follows one thread)."""
-        run = self._driver.run if profile is None else lambda: profile.runcall(self._driver.run)
+        drive = self._driver.run if profile is None else lambda: profile.runcall(self._driver.run)
+
+        def run():
+            with self._transport.turn:
+                drive()
+
         self._thread = threading.Thread(target=run, name="chunkwise-engine", daemon=True)
         self._thread.start()
+
+    @contextmanager
+    def paused(self):
+        """Holds the engine thread once it has no request in flight, so that this thread may use `self.engine`
+        directly (its `generate`, `register_chunk`, ...): it would otherwise step the server's requests and take
+        their outputs. Requests the server sends meanwhile wait until the block ends."""
+        transport = self._transport
+        with transport.count:
+            transport.pausers += 1
+        try:
+            with transport.turn:
+                yield self.engine
+        finally:
+            with transport.count:
+                transport.pausers -= 1
 
     def stop(self, timeout: float = 30.0) -> None:
         """Abort everything in flight (each request gets its "abort" output) and end the thread."""
