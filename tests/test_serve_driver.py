@@ -96,9 +96,10 @@ def test_the_in_thread_transport_hands_over_every_message_put_between_two_takes_
     messages = [Abort([1]), Submit(0, []), Abort(None)]
     for m in messages:
         transport.put(m)
-    assert transport.recv(wait=True) == messages and transport.recv(wait=False) == []
-    transport.put(Stop())
-    assert transport.recv(wait=True) == [Stop()]
+    with transport.turn:   # the engine thread's, as EngineLoop.start takes it
+        assert transport.recv(wait=True) == messages and transport.recv(wait=False) == []
+        transport.put(Stop())
+        assert transport.recv(wait=True) == [Stop()]
 
 
 def test_the_pipe_transport_hands_over_every_message_sent_between_two_takes_in_order_and_none_once_closed():

@@ -45,18 +45,16 @@ class _ThreadTransport:
     def recv(self, wait: bool) -> list:
         """What the server sent. A driver with nothing in flight (`wait`) lets go of the turn while it waits, so a
         pauser may take it, and takes it back before it handles what came."""
-        if not wait:
-            self._wake.clear()
-            return list(_drained(self._inbox))
-        self.turn.release()
-        try:
-            self._wake.wait()
-            self._wake.clear()
-            return list(_drained(self._inbox))
-        finally:
-            while self.pausers:   # a lock is not fair: a woken driver could take the turn before a pauser
-                time.sleep(PAUSE_POLL_S)
-            self.turn.acquire()
+        if wait:
+            self.turn.release()
+            try:
+                self._wake.wait()
+            finally:
+                while self.pausers:   # a lock is not fair: a woken driver could take the turn before a pauser
+                    time.sleep(PAUSE_POLL_S)
+                self.turn.acquire()
+        self._wake.clear()
+        return list(_drained(self._inbox))
 
 
 class EngineLoop(EngineClient):
