@@ -60,6 +60,14 @@ def as_prompt_list(prompts) -> list:
     return list(prompts)
 
 
+def check_vocabulary(i: int, ids, cfg: ModelConfig) -> None:
+    """ValueError naming prompt i and the first of its ids (ints, or an int64 array) outside [0, vocab_size)."""
+    bad = PROMPT_TOKEN_ID.first_outside(ids, vocab_size=cfg.vocab_size)
+    if bad is not None:
+        raise ValueError(f"prompt {i} holds token id {bad!r}, outside the vocabulary "
+                         f"{PROMPT_TOKEN_ID.interval(vocab_size=cfg.vocab_size)}")
+
+
 def encode_prompts(prompts, tokenizer, cfg: ModelConfig, arrays: dict | None = None) -> list[list[int]]:
     """Token ids of each prompt. ValueError names the prompt index for an empty prompt, a string
     without a tokenizer, or a token id outside [0, vocab_size); TypeError names it and the value for a
@@ -71,10 +79,7 @@ def encode_prompts(prompts, tokenizer, cfg: ModelConfig, arrays: dict | None = N
     arrays = arrays or {}
     for i, p in enumerate(as_prompt_list(prompts)):
         if i in arrays:
-            bad = PROMPT_TOKEN_ID.first_outside(arrays[i], vocab_size=cfg.vocab_size)
-            if bad is not None:
-                raise ValueError(f"prompt {i} holds token id {bad!r}, outside the vocabulary "
-                                 f"{PROMPT_TOKEN_ID.interval(vocab_size=cfg.vocab_size)}")
+            check_vocabulary(i, arrays[i], cfg)
             out.append(p)
             continue
         if hasattr(p, "tolist"):
@@ -103,10 +108,7 @@ def encode_prompts(prompts, tokenizer, cfg: ModelConfig, arrays: dict | None = N
                 bad = next(t for t in ids if not is_int(t))
                 raise TypeError(f"prompt {i} holds {type(bad).__name__} {bad!r}, which is not an integer token id")
             ids = list(map(int, ids))
-        bad = PROMPT_TOKEN_ID.first_outside(ids, vocab_size=cfg.vocab_size)
-        if bad is not None:
-            raise ValueError(f"prompt {i} holds token id {bad!r}, outside the vocabulary "
-                             f"{PROMPT_TOKEN_ID.interval(vocab_size=cfg.vocab_size)}")
+        check_vocabulary(i, ids, cfg)
         out.append(ids)
     return out
 

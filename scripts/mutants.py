@@ -578,7 +578,7 @@ MUTANTS = [
            'bound.admits(max_len, max_position_embeddings=limit)',
            'bound.admits(max_len, max_position_embeddings=limit - 1)',
            "max_model_len equal to the checkpoint's max_position_embeddings (the default) is refused"),
-    Mutant('prompt_check_refuses_the_last_vocabulary_id', 'chunkwise/tokenizer.py::encode_prompts',
+    Mutant('prompt_check_refuses_the_last_vocabulary_id', 'chunkwise/tokenizer.py::check_vocabulary',
            'PROMPT_TOKEN_ID.first_outside(ids, vocab_size=cfg.vocab_size)',
            'PROMPT_TOKEN_ID.first_outside(ids, vocab_size=cfg.vocab_size - 1)',
            'a prompt holding token id vocab_size - 1 is refused as outside the vocabulary'),
@@ -1275,7 +1275,7 @@ MUTANTS = [
            "its pages were evicted and taken by another prompt: a blend places that prompt's K/V as the chunk's"),
     # session 29, lead: a deviation that is rounding noise counts as 0 in both engines
     Mutant("blend_ranks_tokens_by_rounding_noise", "chunkwise/engine/model.py::Model._layers",
-           "deviation = torch.where(deviation <= noise, torch.zeros_like(deviation), deviation)",
+           "deviation = deviation.masked_fill(deviation <= noise, 0)",
            "deviation = deviation",
            "the fast engine ranks placed tokens by deviations that are rounding noise (a token past the sliding "
            "window has the same K/V computed twice): which of them an adaptive blend recomputes differs from the "
@@ -1295,10 +1295,15 @@ MUTANTS = [
            "the chunks' id arrays are remembered by length: a prompt holding a chunk of the same length as one seen "
            "before computes (and caches under) that other chunk's ids"),
     Mutant("composite_array_admits_the_vocabulary_size", "chunkwise/tokenizer.py::encode_prompts",
-           "PROMPT_TOKEN_ID.first_outside(arrays[i], vocab_size=cfg.vocab_size)",
-           "PROMPT_TOKEN_ID.first_outside(arrays[i], vocab_size=cfg.vocab_size + 1)",
-           "a composite prompt's ids are checked against a vocabulary one id larger: an id piece holding vocab_size "
+           "            check_vocabulary(i, arrays[i], cfg)\n",
+           "            pass\n",
+           "a composite prompt's array is not checked against the vocabulary: an id piece holding vocab_size "
            "passes validation and fails inside a step"),
+    Mutant("vocabulary_check_admits_the_vocabulary_size", "chunkwise/tokenizer.py::check_vocabulary",
+           "PROMPT_TOKEN_ID.first_outside(ids, vocab_size=cfg.vocab_size)",
+           "PROMPT_TOKEN_ID.first_outside(ids, vocab_size=cfg.vocab_size + 1)",
+           "the prompt check takes a vocabulary one id larger: a prompt holding vocab_size passes validation and "
+           "fails inside a step"),
     # ---- h48ci: CI under 15 minutes (issue #48): loadgroup keeps an xdist_group on one worker ----
     Mutant("xdist_groups_left_unsuffixed", "conftest.py::pytest_collection_modifyitems",
            "    _keep_xdist_groups(config, items)\n",

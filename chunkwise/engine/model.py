@@ -235,7 +235,7 @@ class Model:
                 fk, fv = fk.float(), fv.float()
                 deviation = (fk - pk).square().sum((1, 2)) + (fv - pv).square().sum((1, 2))
                 noise = DEVIATION_NOISE * (fk.square().sum((1, 2)) + fv.square().sum((1, 2)))
-                deviation = torch.where(deviation <= noise, torch.zeros_like(deviation), deviation)
+                deviation = deviation.masked_fill(deviation <= noise, 0)
                 padded = check.padded
                 keep = (select_rows(check, deviation, placed_rows, groups) if padded is None
                         else select_padded(padded, deviation, placed_rows))
