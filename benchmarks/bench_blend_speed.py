@@ -4,6 +4,9 @@ same process, same prompts (GPU; issues #28 §5, #49 §3).
     pytest --benchmark-only benchmarks/bench_blend_speed.py -s
     BENCH_BLEND_SPEED_JSON=out/speed.json pytest --benchmark-only benchmarks/bench_blend_speed.py -k ttft -s
 
+With CHUNKWISE_BENCH_BREAKDOWN=1 the ttft case then runs one more request per mode under StepTimer (the device
+synchronised after each forward) and the torch profiler: where its time goes, per step and phase, and how much of
+it the GPU was busy (the union of its kernels' intervals) in how many kernels.
 With BENCH_BLEND_SPEED_JSON set, every case's results so far ({case: {mode: metrics}}) are written there after each
 case (benchmarks/bench_blend_quality.py --speed-json reads its TTFTs).
 
@@ -54,6 +57,7 @@ MODES = {"plain": None, "exact": "exact", "blend r=0.15": Blend(0.15), "blend r=
          "chunk-heads r=0.15": Blend(0.15, "chunk-heads")}
 RAG2_REQUESTS, RAG2_DOCS, RAG2_DOC_LEN, RAG2_PER_REQUEST = 256, 40, 1024, 8
 RAG2_SYSTEM_LEN, RAG2_QUESTION_LEN, RAG2_OUTPUT, RAG2_BUDGET, RAG2_ROUND = 512, 32, 16, 8192, 128
+BREAKDOWN = os.environ.get("CHUNKWISE_BENCH_BREAKDOWN") == "1"
 MEMORY_SHARE = 0.45   # of the GPU for the first engine: the prefill-bound RAG's, alive beside it, fills up to 0.9
 RESULTS: dict[str, dict] = {}
 
@@ -117,6 +121,40 @@ def mode_roofline(mode, reuse, num_cached, prompt_len, cfg, cost, ceilings) -> d
     return layered_prefill(cost, cfg.num_layers, rows, prompt_len / 2, moved, ceilings)
 
 
+def gpu_busy(prof) -> tuple[float, int]:
+    """(ms the GPU ran any kernel or copy, the union of their intervals; how many ran) in a profile."""
+    from torch.autograd import DeviceType
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return busy / 1e3, len(spans)
+
+
+def breakdown(eng: Engine, prompt_and_mode: tuple, params: SamplingParams) -> dict:
+    """One request's wall time split by step and phase (StepTimer, synchronised after each forward), and the
+    GPU's busy time in it (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.step_timer import PHASES, StepTimer
+    prompt, reuse = prompt_and_mode
+    timer = StepTimer(eng, device_sync=True)
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            sync()
+            t = time.perf_counter()
+            eng.generate([prompt], params, reuse=reuse, use_tqdm=False)
+            sync()
+            wall = time.perf_counter() - t
+    finally:
+        timer.detach()
+    busy, kernels = gpu_busy(prof)
+    steps = [{p: round(1e3 * s.get(p, 0.0), 3) for p in (*PHASES, "step")} | {"tokens": s["tokens"]}
+             for s in timer.steps]
+    return dict(wall_ms=round(1e3 * wall, 3), gpu_busy_ms=round(busy, 3), gpu_kernels=kernels, steps=steps)
+
+
 def test_ttft_of_a_composed_request(benchmark, setup, ceilings, ckpt):
     eng, docs, rng = setup
     vocab = QWEN3_0_6B_SHAPE["vocab_size"]
@@ -153,6 +191,11 @@ def test_ttft_of_a_composed_request(benchmark, setup, ceilings, ckpt):
         steps = {f"{kind} {path}": n for (kind, path), n in sorted((eng.executor.runner.launches - launches).items())}
         out[name] = dict(ttft_ms=1e3 * ttft, roofline_ms=1e3 * roof, pct_roofline=100 * roof / ttft,
                          reuse_exact_blended_recomputed=counts, steps=steps)
+    if BREAKDOWN:
+        for name, mode, rows in runs:
+            graphs.max_rows = rows
+            out[name]["breakdown"] = breakdown(eng, as_mode(composed(docs, rng, TTFT_DOCS, vocab), mode), one)
+            print(f"[ttft breakdown] {name}: {out[name]['breakdown']}")
     graphs.max_rows = max_rows
     for name, r in out.items():
         r["vs_plain"] = r["ttft_ms"] / out["plain"]["ttft_ms"]

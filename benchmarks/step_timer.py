@@ -25,6 +25,7 @@ class StepTimer:
         self.engine = engine
         self.steps: list[dict] = []
         self._current: dict = {}
+        self._wrapped: list = []
         executor, sched = engine.executor, engine.scheduler
         self._wrap(sched, "schedule", "schedule")
         self._wrap(executor.runner, "prepare", "prepare")
@@ -52,6 +53,13 @@ class StepTimer:
                 self.steps.append(self._current)
             return out
         setattr(obj, name, timed)
+        self._wrapped.append((obj, name))
+
+    def detach(self) -> None:
+        """The engine's own methods back (the wrappers are attributes of the instances)."""
+        for obj, name in self._wrapped:
+            delattr(obj, name)
+        self._wrapped.clear()
 
     def _inspect(self, host):
         # Decode-only: every sequence computes one token (a row plan's rows are not its tokens). Not
