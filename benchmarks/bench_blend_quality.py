@@ -187,14 +187,14 @@ class Measure:
         self.full: list[torch.Tensor] | None = None      # exact mode's forced logprobs per task
         self.kept: dict[str, list[torch.Tensor]] = {}    # the first `keep` tasks' forced logprobs per mode
 
-    def forced(self, engine, prompts: list, reuse) -> list[torch.Tensor]:
-        out = []
+    def forced(self, engine, prompts: list, reuse):
+        """(task index, its forced logprobs on the device), batch by batch: a run's whole set would not fit beside
+        the engines (thousands of tasks × answer tokens × the vocabulary, in float32)."""
         for i in range(0, len(prompts), self.batch):
             heads, lasts = zip(*(split_last(p) for p in prompts[i:i + self.batch]))
             kvs = prefill_many(engine, list(heads), reuse)
             tokens = [[last] + a[:-1] for last, a in zip(lasts, self.answers[i:i + self.batch])]
-            out += forced_logprobs(self.model, tokens, kvs)
-        return out
+            yield from enumerate(forced_logprobs(self.model, tokens, kvs), start=i)
 
     def run(self, engine, prompts: list, mode: Mode) -> dict:
         sync()
@@ -204,17 +204,23 @@ class Measure:
         texts = [self.tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
         sync()
         generated = time.perf_counter() - began
-        forced = self.forced(engine, prompts, mode.reuse)
-        if mode == EXACT:
-            self.full = forced
         right, agree, kl, delta = [], [], [], 0.0
-        for a, f, b in zip(self.answers, self.full, forced):
+        full, kept = [], []
+        for i, b in self.forced(engine, prompts, mode.reuse):
+            a = self.answers[i]
+            f = b if mode == EXACT else self.full[i].to(b.device, non_blocking=True)
             target = torch.tensor(a, device=b.device)
             right.append(int(bool((b.argmax(-1) == target).all())))
             agree.append(int((b.argmax(-1) == f.argmax(-1)).sum()))
             kl.append(float((f.exp() * (f - b)).sum(-1).clamp_min(0).sum()))
             delta = max(delta, float((b.gather(1, target[:, None]) - f.gather(1, target[:, None])).abs().max()))
-        self.kept[mode.label] = forced[:self.keep]
+            if mode == EXACT:
+                full.append(b.cpu())   # exact's, for every later mode, in host memory
+            if i < self.keep:
+                kept.append(b)
+        if mode == EXACT:
+            self.full = full
+        self.kept[mode.label] = kept
         sync()
         chunk = [sum(r.num_tokens for r in o.chunk_reuse or () if r.chunk is not None) for o in outs]
         recomputed = [sum(r.recomputed for r in o.chunk_reuse or () if r.chunk is not None) for o in outs]
@@ -235,7 +241,7 @@ def warm_up(engine, exact_engine, prompts: Prompts, measure: Measure) -> None:
     params = SamplingParams(max_tokens=2)
     exact_engine.generate(prompts.of("exact")[few], params, use_tqdm=False)
     engine.generate(prompts.of("isolated")[few], params, reuse=Blend(0.15), use_tqdm=False)
-    measure.forced(engine, prompts.of("isolated")[few], Blend(0.15))
+    list(measure.forced(engine, prompts.of("isolated")[few], Blend(0.15)))
 
 
 def summarize(results: dict[str, dict], tasks: list[Task], seed: int, resamples: int) -> dict[str, dict[str, dict]]:
@@ -374,7 +380,8 @@ def reference_agreement(path, args, pool, tasks: list[Task], measure: Measure, m
     out = {}
     for mode in [EXACT] + [m for m in modes if m.ratio in args.reference_ratios]:
         mine = measure.kept[mode.label]
-        theirs = sub.forced(ref, prompts.of("exact" if mode == EXACT else mode.context), mode.reuse)
+        theirs = (f for _, f in sub.forced(ref, prompts.of("exact" if mode == EXACT else mode.context),
+                                           mode.reuse))
         agree = kl = right_ref = right_this = count = 0
         for a, f, b in zip(prompts.answers, theirs, mine):
             f, b = f.float(), b.to(f.device).float()
