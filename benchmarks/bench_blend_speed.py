@@ -5,8 +5,8 @@ same process, same prompts (GPU; issues #28 §5, #49 §3).
     BENCH_BLEND_SPEED_JSON=out/speed.json pytest --benchmark-only benchmarks/bench_blend_speed.py -k ttft -s
 
 With CHUNKWISE_BENCH_BREAKDOWN=1 the ttft case then runs one more request per mode under StepTimer (the device
-synchronised after each forward) and the torch profiler: where its time goes, per step and phase, and how much of
-it the GPU was busy (the union of its kernels' intervals) in how many kernels.
+synchronised after each forward) and the torch profiler: where its time goes, per step and phase, how much of it
+the GPU was busy (the union of its kernels' intervals) in how many kernels, and the kernels that took the most.
 With BENCH_BLEND_SPEED_JSON set, every case's results so far ({case: {mode: metrics}}) are written there after each
 case (benchmarks/bench_blend_quality.py --speed-json reads its TTFTs).
 
@@ -121,15 +121,22 @@ def mode_roofline(mode, reuse, num_cached, prompt_len, cfg, cost, ceilings) -> d
     return layered_prefill(cost, cfg.num_layers, rows, prompt_len / 2, moved, ceilings)
 
 
-def gpu_busy(prof) -> tuple[float, int]:
-    """(ms the GPU ran any kernel or copy, the union of their intervals; how many ran) in a profile."""
+def gpu_busy(prof, top: int = 8) -> tuple[float, int, list]:
+    """(ms the GPU ran any kernel or copy, the union of their intervals; how many ran; the `top` names by total ms,
+    as (name, ms, count)) in a profile."""
     from torch.autograd import DeviceType
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     busy, end = 0.0, float("-inf")
-    for a, b in spans:
+    for a, b in sorted((e.time_range.start, e.time_range.end) for e in events):
         busy += max(0.0, b - max(a, end))
         end = max(end, b)
-    return busy / 1e3, len(spans)
+    by_name: dict[str, list] = {}
+    for e in events:
+        entry = by_name.setdefault(e.name[:80], [0.0, 0])
+        entry[0] += e.time_range.elapsed_us() / 1e3
+        entry[1] += 1
+    ranked = sorted(((n, round(ms, 3), c) for n, (ms, c) in by_name.items()), key=lambda x: -x[1])
+    return busy / 1e3, len(events), ranked[:top]
 
 
 def breakdown(eng: Engine, prompt_and_mode: tuple, params: SamplingParams) -> dict:
@@ -149,10 +156,11 @@ def breakdown(eng: Engine, prompt_and_mode: tuple, params: SamplingParams) -> di
             wall = time.perf_counter() - t
     finally:
         timer.detach()
-    busy, kernels = gpu_busy(prof)
+    busy, kernels, top = gpu_busy(prof)
     steps = [{p: round(1e3 * s.get(p, 0.0), 3) for p in (*PHASES, "step")} | {"tokens": s["tokens"]}
              for s in timer.steps]
-    return dict(wall_ms=round(1e3 * wall, 3), gpu_busy_ms=round(busy, 3), gpu_kernels=kernels, steps=steps)
+    return dict(wall_ms=round(1e3 * wall, 3), gpu_busy_ms=round(busy, 3), gpu_kernels=kernels, steps=steps,
+                top_kernels=top)
 
 
 def test_ttft_of_a_composed_request(benchmark, setup, ceilings, ckpt):
