@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import ast
 import bisect
+import inspect
 import io
 import os
 import re
@@ -992,6 +993,21 @@ MUTANTS = [
            "hits = [h for h in hits if at <= h[0] and h[1] <= at + len(old)]",
            "hits = hits",
            "an old-format text that only its indentation told apart from another is refused as ambiguous"),
+    # the tests that name a mutant's function first (a catalogue run's order, not its verdicts)
+    Mutant("named_first_drops_the_other_tests", "scripts/mutants.py::order_named_first",
+           "items[:] = named + [item for item in items if id(item) not in first]",
+           "items[:] = named",
+           "the tests naming a mutant's function are run instead of the selection, not before it: a bug they miss "
+           "survives tests that would have killed it"),
+    Mutant("named_first_limit_ignored", "scripts/mutants.py::order_named_first",
+           "if 0 < len(named) <= limit:",
+           "if named:",
+           "a name that half the suite mentions still moves those tests first: the smoke tier, which kills most "
+           "bugs in a minute, waits behind them"),
+    Mutant("named_kernel_not_reached_through_its_launcher", "scripts/mutants.py::named",
+           'bare = last.lstrip("_").removesuffix("_kernel")',
+           'bare = last.lstrip("_")',
+           "a Triton kernel's mutant looks for tests naming the kernel, which call its launcher: none move first"),
     # ---- h48layers (issue 48 parts 4 and 6): layers that point one way, an EngineConfig without side effects ----
     Mutant("collective_raises_the_executors_error", "chunkwise/engine/distributed/tensor_parallel.py::CollectiveGuard.issuing",
            '                raise RuntimeError(f"no collective is issued once {self.lost}")\n',
@@ -1706,6 +1722,50 @@ def pytest_configure(config):
 """
 
 
+NAMED_FIRST_LIMIT = 40
+
+
+def mentions(item, names: list[str]) -> bool:
+    """Whether a collected test's own code names one of `names` (as a whole word)."""
+    try:
+        source = inspect.getsource(item.function)
+    except (AttributeError, TypeError, OSError):
+        return False
+    return any(re.search(rf"\b{re.escape(n)}\b", source) for n in names)
+
+
+def order_named_first(items: list, names: list[str], limit: int) -> None:
+    """The tests whose code names what a mutant changes run before the rest, which keep their order (the smoke
+    tier first). Only the order changes, so only how soon a mutant dies; a name more than `limit` tests mention
+    is too common to say where the bug would show, and moves nothing."""
+    named = [item for item in items if mentions(item, names)] if names else []
+    if 0 < len(named) <= limit:
+        first = set(map(id, named))
+        items[:] = named + [item for item in items if id(item) not in first]
+
+
+# A pytest plugin for every stage: order_named_first over the names in CHUNKWISE_MUTANT_NAMES (`named`), after
+# conftest.py's own order.
+NAMED_FIRST_PLUGIN = "\n\n".join([
+    "import inspect\nimport os\nimport re\n\nimport pytest",
+    inspect.getsource(mentions), inspect.getsource(order_named_first),
+    "@pytest.hookimpl(trylast=True)\ndef pytest_collection_modifyitems(config, items):\n"
+    "    names = [n for n in os.environ.get('CHUNKWISE_MUTANT_NAMES', '').split(',') if n]\n"
+    f"    order_named_first(items, names, {NAMED_FIRST_LIMIT})\n"])
+
+
+def named(m: Mutant) -> list[str]:
+    """What a test would call to reach m's bug: its function's (or method's) name; for module-level code, the
+    constants its pattern names."""
+    owner, _, last = m.function.rpartition(".")
+    if last == "<module>":
+        return sorted(set(re.findall(r"\b[A-Z][A-Z0-9_]{3,}\b", m.old)))
+    if last.startswith("__") and owner:               # a dunder: the class is what a test names
+        return [owner.rpartition(".")[2]]
+    bare = last.lstrip("_").removesuffix("_kernel")   # a Triton kernel is reached through its launcher
+    return sorted({last, bare} - {""})
+
+
 def run_selection(m: Mutant | None, timeout: float = DEFAULT_TIMEOUT, pinned_only: bool = False,
                   deselect: tuple[str, ...] = (), stop_first: bool = True, python: str = sys.executable,
                   smoke_only: bool = False) -> Result:
@@ -1718,6 +1778,8 @@ def run_selection(m: Mutant | None, timeout: float = DEFAULT_TIMEOUT, pinned_onl
             apply(m, tree)
         env = dict(os.environ, CI="true", PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
         env.pop("CHUNKWISE_HYPOTHESIS_PROFILE", None)    # CI's own profile, as in CI
+        if m is not None:
+            env["CHUNKWISE_MUTANT_NAMES"] = ",".join(named(m))
         marks = f"{SMOKE_MARKER} and not gpu and not slow" if smoke_only else "not gpu and not slow"
         cmd = [python, "-m", "pytest", *SELECTION, "-q", "-p", "no:cacheprovider", "-m", marks]
         cmd += ["-x"] if stop_first else []
@@ -1725,6 +1787,8 @@ def run_selection(m: Mutant | None, timeout: float = DEFAULT_TIMEOUT, pinned_onl
         if pinned_only:
             (tree / "_mutants_pinned_only.py").write_text(PINNED_ONLY_PLUGIN)
             cmd += ["-p", "_mutants_pinned_only"]
+        (tree / "_mutants_named_first.py").write_text(NAMED_FIRST_PLUGIN)
+        cmd += ["-p", "_mutants_named_first"]
         start = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)

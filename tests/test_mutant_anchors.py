@@ -163,3 +163,63 @@ def test_a_file_that_is_not_python_is_one_span_whose_hashes_are_text(tmp_path):
     assert mutants.resolve(m, sources).mutated == readme.replace("doc_b = eng", "doc_2 = eng")
     heading = Mutant("heading", "README.md::<module>", "# Composing\n", "# Composition\n", "-")
     assert mutants.resolve(heading, sources).mutated == readme.replace("Composing", "Composition")
+
+
+def _named_first(monkeypatch, names: str):
+    """The pinned stage's ordering plugin as pytest loads it (order_named_first's own source), with
+    CHUNKWISE_MUTANT_NAMES set."""
+    assert "def order_named_first(" in mutants.NAMED_FIRST_PLUGIN
+    monkeypatch.setenv("CHUNKWISE_MUTANT_NAMES", names)
+    namespace: dict = {}
+    exec(compile(mutants.NAMED_FIRST_PLUGIN, "_mutants_named_first.py", "exec"), namespace)
+    return namespace["pytest_collection_modifyitems"]
+
+
+class _Item:
+    def __init__(self, function):
+        self.function = function
+
+
+def _calls_tile_config():
+    return "tile_config"       # the source names it
+
+
+def _calls_other():
+    return "tile_configs"      # a longer name: not a mention
+
+
+def _calls_nothing():
+    return None
+
+
+def test_tests_naming_a_mutants_function_run_first_and_every_test_still_runs(monkeypatch):
+    """order_named_first, as the plugin runs it."""
+    order = _named_first(monkeypatch, "tile_config")
+    items = [_Item(_calls_nothing), _Item(_calls_other), _Item(_calls_tile_config), _Item(len)]
+    before = list(items)
+    order(None, items)
+    assert [i.function for i in items] == [_calls_tile_config, _calls_nothing, _calls_other, len]
+    assert sorted(map(id, items)) == sorted(map(id, before))
+
+
+def test_a_name_more_tests_mention_than_the_limit_moves_nothing(monkeypatch):
+    """order_named_first, as the plugin runs it, on both sides of NAMED_FIRST_LIMIT."""
+    order = _named_first(monkeypatch, "tile_config")
+    at_limit = [_Item(_calls_nothing)] + [_Item(_calls_tile_config) for _ in range(mutants.NAMED_FIRST_LIMIT)]
+    items = list(at_limit)
+    order(None, items)
+    assert items[0].function is _calls_tile_config                      # the limit's count still moves
+    over = [_Item(_calls_nothing)] + [_Item(_calls_tile_config) for _ in range(mutants.NAMED_FIRST_LIMIT + 1)]
+    items = list(over)
+    order(None, items)
+    assert items == over
+
+
+def test_a_mutant_is_named_by_its_function_its_kernels_launcher_its_class_or_its_constants():
+    def names(where, old="x = 1"):
+        return mutants.named(Mutant("m", where, old, "x", "bug"))
+    assert names("a.py::tile_config") == ["tile_config"]
+    assert names("a.py::Pool.free") == ["free"]
+    assert names("a.py::_rope_store_kernel") == ["_rope_store_kernel", "rope_store"]
+    assert names("a.py::_AbortingStream.__call__") == ["_AbortingStream"]
+    assert names("a.py::<module>", "WIDE_TILES = (MAX_BYTES, 8)") == ["MAX_BYTES", "WIDE_TILES"]
