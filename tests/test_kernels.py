@@ -13,6 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from chunkwise.kernels import paged_attention, paged_attention_ref, paged_decode, paged_decode_ref
+from chunkwise.kernels.paged_attention import paged_split_workspace
 from chunkwise.kernels.testing import DTYPES, TOLERANCE, paginate, query_start_loc, random_kv, rising_scores
 
 pytestmark = pytest.mark.correctness
@@ -296,3 +297,22 @@ def test_tiles_take_256_rows_only_where_shared_memory_holds_them_and_64_on_three
     assert pa.tile_config(128, 2, torch.bfloat16, 227 * 1024, max_rows=128)[3] == 2   # the prefill's tiles as before
     assert pa.tile_config(128, 2, torch.bfloat16, 227 * 1024)[3] == 2
     assert pa.tile_config(128, 2, torch.float32, 227 * 1024)[0] == 64
+
+
+def test_a_split_launch_leaves_its_arrival_counts_at_zero_so_the_next_launch_on_its_workspace_merges():
+    """A step's layers share one split workspace: each launch must leave its arrival counts at zero (the last
+    split of each block and KV head resets its count), or the next launch's merges never run."""
+    gen = torch.Generator().manual_seed(3)
+    (num_heads, num_kv_heads), head_dim, dtype, split = (4, 2), 64, torch.float32, 128
+    seqs = [(130, 20), (60, 5)]                     # (cached prefix, new rows): three splits and one
+    kvs = [random_kv(p + c, num_kv_heads, head_dim, dtype, gen, "cpu") for p, c in seqs]
+    qs = [torch.randn(c, num_heads, head_dim, generator=gen).to(dtype) for _, c in seqs]
+    cache = paginate(kvs, 16, gen)
+    args = (cache, qs, [c for _, c in seqs], [p + c for p, c in seqs], head_dim ** -0.5, None)
+    workspace = paged_split_workspace(sum(c for _, c in seqs), num_heads, dtype, cache.k_cache, cache.page_tables,
+                                      split)
+    ref = _run_batch(paged_attention_ref, *args)
+    for launch in range(2):
+        out = _run_batch(paged_attention, *args, split_size=split, workspace=workspace)
+        assert workspace.arrivals.eq(0).all(), f"launch {launch} left counts {workspace.arrivals.tolist()}"
+        torch.testing.assert_close(out, ref, **TOLERANCE[dtype])
