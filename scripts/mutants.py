@@ -45,6 +45,7 @@ import ast
 import bisect
 import inspect
 import io
+import json
 import os
 import re
 import shutil
@@ -995,15 +996,20 @@ MUTANTS = [
            "an old-format text that only its indentation told apart from another is refused as ambiguous"),
     # the tests that name a mutant's function first (a catalogue run's order, not its verdicts)
     Mutant("named_first_drops_the_other_tests", "scripts/mutants.py::order_named_first",
-           "items[:] = named + [item for item in items if id(item) not in first]",
-           "items[:] = named",
+           "items[:] = front + [item for item in items if id(item) not in seen]",
+           "items[:] = front",
            "the tests naming a mutant's function are run instead of the selection, not before it: a bug they miss "
            "survives tests that would have killed it"),
     Mutant("named_first_limit_ignored", "scripts/mutants.py::order_named_first",
-           "if 0 < len(named) <= limit:",
-           "if named:",
+           "if len(named) > limit:",
+           "if False:",
            "a name that half the suite mentions still moves those tests first: the smoke tier, which kills most "
            "bugs in a minute, waits behind them"),
+    Mutant("named_first_forgets_the_recorded_killer", "scripts/mutants.py::order_named_first",
+           "for item in [item for item in items if item.nodeid in first] + named:",
+           "for item in named:",
+           "the test that killed a mutant last time is not run first: a mutant the named tests miss waits for the "
+           "whole smoke tier again"),
     Mutant("named_kernel_not_reached_through_its_launcher", "scripts/mutants.py::named",
            'bare = last.lstrip("_").removesuffix("_kernel")',
            'bare = last.lstrip("_")',
@@ -1723,6 +1729,8 @@ def pytest_configure(config):
 
 
 NAMED_FIRST_LIMIT = 40
+# Each mutant's killing test from the runs so far (name -> node id), written after every run: run first next time.
+KILLS = ROOT / "scripts" / "mutant_kills.json"
 
 
 def mentions(item, names: list[str]) -> bool:
@@ -1734,24 +1742,43 @@ def mentions(item, names: list[str]) -> bool:
     return any(re.search(rf"\b{re.escape(n)}\b", source) for n in names)
 
 
-def order_named_first(items: list, names: list[str], limit: int) -> None:
-    """The tests whose code names what a mutant changes run before the rest, which keep their order (the smoke
-    tier first). Only the order changes, so only how soon a mutant dies; a name more than `limit` tests mention
-    is too common to say where the bug would show, and moves nothing."""
+def order_named_first(items: list, names: list[str], limit: int, first: tuple[str, ...] = ()) -> None:
+    """The tests in `first` (node ids: the test that killed this mutant last time), then those whose code names
+    what the mutant changes, run before the rest, which keep their order (the smoke tier first). Only the order
+    changes, so only how soon a mutant dies; a name more than `limit` tests mention is too common to say where
+    the bug would show, and moves nothing."""
     named = [item for item in items if mentions(item, names)] if names else []
-    if 0 < len(named) <= limit:
-        first = set(map(id, named))
-        items[:] = named + [item for item in items if id(item) not in first]
+    if len(named) > limit:
+        named = []
+    front, seen = [], set()
+    for item in [item for item in items if item.nodeid in first] + named:
+        if id(item) not in seen:
+            seen.add(id(item))
+            front.append(item)
+    if front:
+        items[:] = front + [item for item in items if id(item) not in seen]
 
 
-# A pytest plugin for every stage: order_named_first over the names in CHUNKWISE_MUTANT_NAMES (`named`), after
-# conftest.py's own order.
+# A pytest plugin for every stage: order_named_first over CHUNKWISE_MUTANT_FIRST's node ids (one a line) and the
+# names in CHUNKWISE_MUTANT_NAMES (`named`), after conftest.py's own order.
 NAMED_FIRST_PLUGIN = "\n\n".join([
     "import inspect\nimport os\nimport re\n\nimport pytest",
     inspect.getsource(mentions), inspect.getsource(order_named_first),
     "@pytest.hookimpl(trylast=True)\ndef pytest_collection_modifyitems(config, items):\n"
     "    names = [n for n in os.environ.get('CHUNKWISE_MUTANT_NAMES', '').split(',') if n]\n"
-    f"    order_named_first(items, names, {NAMED_FIRST_LIMIT})\n"])
+    "    first = tuple(n for n in os.environ.get('CHUNKWISE_MUTANT_FIRST', '').split('\\n') if n)\n"
+    f"    order_named_first(items, names, {NAMED_FIRST_LIMIT}, first)\n"])
+
+
+def load_kills() -> dict[str, str]:
+    return json.loads(KILLS.read_text()) if KILLS.is_file() else {}
+
+
+def record_kills(results: list) -> None:
+    """Each killed mutant's first failing test into KILLS (kept for the mutants not run)."""
+    kills = load_kills()
+    kills.update({r.mutant.name: r.first_failure for r in results if r.verdict == "killed"})
+    KILLS.write_text(json.dumps(dict(sorted(kills.items())), indent=0) + "\n")
 
 
 def named(m: Mutant) -> list[str]:
@@ -1780,6 +1807,7 @@ def run_selection(m: Mutant | None, timeout: float = DEFAULT_TIMEOUT, pinned_onl
         env.pop("CHUNKWISE_HYPOTHESIS_PROFILE", None)    # CI's own profile, as in CI
         if m is not None:
             env["CHUNKWISE_MUTANT_NAMES"] = ",".join(named(m))
+            env["CHUNKWISE_MUTANT_FIRST"] = load_kills().get(m.name, "")
         marks = f"{SMOKE_MARKER} and not gpu and not slow" if smoke_only else "not gpu and not slow"
         cmd = [python, "-m", "pytest", *SELECTION, "-q", "-p", "no:cacheprovider", "-m", marks]
         cmd += ["-x"] if stop_first else []
@@ -1897,6 +1925,7 @@ def main(argv=None) -> int:
             if r.verdict != "killed":
                 print("    " + r.tail.replace("\n", "\n    ")[-2000:], flush=True)
             results.append(r)
+    record_kills(results)
     print()
     print(table(results))
     alive = [r.mutant.name for r in results if r.verdict != "killed"]

@@ -165,19 +165,20 @@ def test_a_file_that_is_not_python_is_one_span_whose_hashes_are_text(tmp_path):
     assert mutants.resolve(heading, sources).mutated == readme.replace("Composing", "Composition")
 
 
-def _named_first(monkeypatch, names: str):
+def _named_first(monkeypatch, names: str, first: str = ""):
     """The pinned stage's ordering plugin as pytest loads it (order_named_first's own source), with
-    CHUNKWISE_MUTANT_NAMES set."""
+    CHUNKWISE_MUTANT_NAMES and CHUNKWISE_MUTANT_FIRST set."""
     assert "def order_named_first(" in mutants.NAMED_FIRST_PLUGIN
     monkeypatch.setenv("CHUNKWISE_MUTANT_NAMES", names)
+    monkeypatch.setenv("CHUNKWISE_MUTANT_FIRST", first)
     namespace: dict = {}
     exec(compile(mutants.NAMED_FIRST_PLUGIN, "_mutants_named_first.py", "exec"), namespace)
     return namespace["pytest_collection_modifyitems"]
 
 
 class _Item:
-    def __init__(self, function):
-        self.function = function
+    def __init__(self, function, nodeid=""):
+        self.function, self.nodeid = function, nodeid or f"tests/t.py::{function.__name__}"
 
 
 def _calls_tile_config():
@@ -223,3 +224,21 @@ def test_a_mutant_is_named_by_its_function_its_kernels_launcher_its_class_or_its
     assert names("a.py::_rope_store_kernel") == ["_rope_store_kernel", "rope_store"]
     assert names("a.py::_AbortingStream.__call__") == ["_AbortingStream"]
     assert names("a.py::<module>", "WIDE_TILES = (MAX_BYTES, 8)") == ["MAX_BYTES", "WIDE_TILES"]
+
+
+def test_the_test_that_killed_a_mutant_last_runs_first_then_the_named_ones(monkeypatch, tmp_path):
+    """order_named_first with the recorded killer (CHUNKWISE_MUTANT_FIRST, node ids one a line), and record_kills
+    keeping a killed mutant's first failing test for the next run beside the entries of mutants not run."""
+    order = _named_first(monkeypatch, "tile_config", "tests/t.py::killer[a-1]\ntests/t.py::gone")
+    killer = _Item(_calls_nothing, "tests/t.py::killer[a-1]")
+    items = [_Item(_calls_other), _Item(_calls_tile_config), killer, _Item(len)]
+    rest = [items[0], items[3]]
+    order(None, items)
+    assert items[:2] == [killer, items[1]] and items[1].function is _calls_tile_config and items[2:] == rest
+
+    monkeypatch.setattr(mutants, "KILLS", tmp_path / "kills.json")
+    (tmp_path / "kills.json").write_text('{"old": "tests/a.py::t", "m": "tests/b.py::was"}')
+    m, n = Mutant("m", "a.py::f", "x", "y", "bug"), Mutant("n", "a.py::f", "x", "y", "bug")
+    mutants.record_kills([mutants.Result(m, "killed", "tests/b.py::now", 1.0, ""),
+                          mutants.Result(n, "SURVIVED", "", 1.0, "")])
+    assert mutants.load_kills() == {"m": "tests/b.py::now", "old": "tests/a.py::t"}
