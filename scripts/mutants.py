@@ -14,10 +14,10 @@ For each, the tracked and untracked-but-not-ignored files are copied to a tempor
 directory, the edit is applied there, and the CI selection runs with `-x` (stop at the first failure), in
 two stages so that pinned examples run first: the whole selection with Hypothesis kept to its `@example`s
 (more than 15 minutes on one shared core for a mutant none of them kills), then, only for a mutant that
-survives those, the whole selection as CI runs it (random draws too). In both, the order is: the test that killed this mutant last time (KILLS,
-written after every run), the tests whose own code names what it changes (`named`), then the smoke tier (the
-`smoke` marker, conftest.py's SMOKE: the tests that kill the most bugs soonest), then the rest; the order only
-says how soon a mutant dies, never whether. `--smoke-only` runs the smoke tier's pinned examples alone. A mutant
+survives those, the whole selection as CI runs it (random draws too). In both, the order is: the test that
+killed this mutant last time (KILLS, written after every run), the tests whose own code names what it changes
+(`named`), then the smoke tier (the `smoke` marker, conftest.py's SMOKE: the tests that kill the most bugs
+soonest), then the rest; the order only says how soon a mutant dies, never whether. `--smoke-only` runs the smoke tier's pinned examples alone. A mutant
 is killed when a test fails; it survives when both stages pass. The table says which stage and test killed it
 and the seconds taken (both stages together).
 
