@@ -10,16 +10,16 @@ lines, comments), a rename elsewhere, or a function moved to another file or its
 `--anchor` writes its new path) keeps a mutant valid; a renamed function or a rewritten pattern fails that mutant
 alone, naming it and what is missing.
 
-For each, the tracked and untracked-but-not-ignored files are copied to a temporary
-directory, the edit is applied there, and the CI selection runs with `-x` (stop at the first failure), in
-two stages so that pinned examples run first: the whole selection with Hypothesis kept to its `@example`s
-(more than 15 minutes on one shared core for a mutant none of them kills), then, only for a mutant that
-survives those, the whole selection as CI runs it (random draws too). In both, the order is: the test that
-killed this mutant last time (KILLS, written after every run), the tests whose own code names what it changes
-(`named`), then the smoke tier (the `smoke` marker, conftest.py's SMOKE: the tests that kill the most bugs
-soonest), then the rest; the order only says how soon a mutant dies, never whether. `--smoke-only` runs the smoke tier's pinned examples alone. A mutant
-is killed when a test fails; it survives when both stages pass. The table says which stage and test killed it
-and the seconds taken (both stages together).
+For each, the tracked and untracked-but-not-ignored files are copied to a temporary directory, the edit is applied
+there, and the CI selection runs with `-x` (stop at the first failure), in two stages so that pinned examples run
+first: the whole selection with Hypothesis kept to its `@example`s (more than 15 minutes on one shared core for a
+mutant none of them kills), then, only for a mutant that survives those, the whole selection as CI runs it (random
+draws too). In both, the order is: the test that killed this mutant last time (KILLS, written after every run), the
+tests whose own code names what it changes (`named`), then the smoke tier (the `smoke` marker, conftest.py's SMOKE:
+the tests that kill the most bugs soonest), then the rest; the order only says how soon a mutant dies, never
+whether. `--smoke-only` runs the smoke tier's pinned examples alone. A mutant is killed when a test fails; it
+survives when both stages pass. The table says which stage and test killed it and the seconds taken (both stages
+together).
 
     python scripts/mutants.py                # every mutant, one at a time
     python scripts/mutants.py --list         # names, where each lives, and the bug each plants
