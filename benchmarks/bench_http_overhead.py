@@ -97,6 +97,10 @@ class FakeEngine:
         self.starts: list[float] = []
         self._next_id = 0
 
+    def hand_over(self, check) -> None:
+        """An EngineLoop steps it from its thread (chunkwise.Engine.hand_over): nothing else calls it here."""
+        self.turn_check = check
+
     def add_request(self, ids, params, reuse="exact") -> int:
         rid, self._next_id = self._next_id, self._next_id + 1
         self.scheduler.running[rid] = SimpleNamespace(ids=list(ids), params=params, tokens=[])

@@ -1337,10 +1337,22 @@ MUTANTS = [
            "fixture runs once per worker"),
     # ---- session 30: a direct call on a served engine waits for the engine thread (EngineLoop.paused) ----
     Mutant("paused_takes_no_turn", "chunkwise/serve/engine_loop.py::EngineLoop.paused",
-           "            with transport.turn:\n",
-           "            if True:\n",
+           "transport.take()\n            try:\n                yield self.engine\n            finally:\n"
+           "                transport.give()",
+           "transport.holder = threading.get_ident()\n            try:\n                yield self.engine\n"
+           "            finally:\n                transport.holder = None",
            "paused() does not hold the engine thread: a direct generate steps the core beside it, with the server's "
            "request in flight, and each takes the other's outputs"),
+    Mutant("served_engine_takes_a_direct_call", "chunkwise/engine/llm_engine.py::Engine._check_turn",
+           "if self._turn_check is not None:",
+           "if False:",
+           "a served engine takes a direct generate from another thread while its engine thread steps it: the two "
+           "step one core and each takes the other's outputs"),
+    Mutant("stopped_loop_keeps_its_engine", "chunkwise/serve/engine_loop.py::EngineLoop.stop",
+           "self.engine.hand_over(None)",
+           "pass",
+           "a stopped EngineLoop never gives its engine back: every later direct call is refused as if it were "
+           "still served"),
 ]
 
 

@@ -798,3 +798,20 @@ def test_an_engine_failing_outside_a_step_ends_its_requests_with_500_and_then_an
             r = httpx.request(method, srv.url + path, json=body, timeout=60)
             assert r.status_code == 503 and "the engine failed: RuntimeError: device lost" in r.json()["error"][
                 "message"], (path, r.text)
+
+
+def test_a_direct_call_on_a_served_engine_outside_paused_is_refused_by_name_and_changes_nothing(server, engine):
+    """The engine thread is a served engine's only stepper: a call that would step or change it from another thread
+    is refused, naming the call and `paused()`, before it touches the core; inside `paused()` it runs."""
+    loop = server.state.loop
+    raw, before = engine.served, engine.stats()
+    calls = {"generate": lambda: raw.generate([[5, 6, 7]], SamplingParams(max_tokens=2)),
+             "add_request": lambda: raw.add_request([5, 6, 7]), "step": raw.step,
+             "register_chunk": lambda: raw.register_chunk([5, 6, 7, 8], pin=True), "abort": lambda: raw.abort(0),
+             "prefill_kv": lambda: raw.prefill_kv([5, 6, 7])}
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=rf"Engine\.{name}: this engine is served.*loop\.paused\(\)"):
+            call()
+    assert engine.stats() == before and not raw.has_unfinished()
+    with loop.paused() as eng:
+        assert len(eng.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids) == 2

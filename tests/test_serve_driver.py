@@ -13,7 +13,7 @@ from chunkwise.engine import Engine
 from chunkwise.sampling import SamplingParams
 from chunkwise.serve.driver import EngineDriver
 from chunkwise.serve.engine_core import _PipeTransport
-from chunkwise.serve.engine_loop import _ThreadTransport
+from chunkwise.serve.engine_loop import EngineLoop, _ThreadTransport
 from chunkwise.serve.messages import Abort, Added, CallDone, ComputeChunk, Outputs, Stop, Stopped, Submit
 
 
@@ -111,3 +111,19 @@ def test_the_pipe_transport_hands_over_every_message_sent_between_two_takes_in_o
     assert transport.recv(wait=True) == messages and transport.recv(wait=False) == []
     server.close()
     assert transport.recv(wait=True) is None
+
+
+def test_a_loops_engine_refuses_direct_calls_while_its_thread_runs_and_is_the_callers_again_once_stopped(engine):
+    """EngineLoop.start hands the engine to its thread: a direct call from elsewhere is refused by name (inside
+    `paused()` it runs); once the loop has stopped, the engine is the caller's again."""
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        with pytest.raises(RuntimeError, match=r"Engine\.generate: this engine is served"):
+            engine.generate([[5, 6, 7]], params)
+        with loop.paused() as eng:
+            assert len(eng.generate([[5, 6, 7]], params)[0].token_ids) == 2
+    finally:
+        loop.stop()
+    assert len(engine.generate([[5, 6, 7]], params)[0].token_ids) == 2

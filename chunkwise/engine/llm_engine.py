@@ -23,6 +23,7 @@ tokens streamed so far.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -60,6 +61,7 @@ class Engine:
         self.core = EngineCore(config, self.model_class)
         self.outputs = OutputProcessor(self.frontend)
         self._lock = threading.RLock()
+        self._turn_check = None   # hand_over's
 
     @property
     def tokenizer(self):
@@ -99,6 +101,16 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def hand_over(self, check: Callable[[str], None] | None) -> None:
+        """Another driver steps this engine's core from now on (a server's engine thread): each call that steps or
+        changes it first calls `check(name of the call)`, which raises when the caller may not. None: the
+        caller's again."""
+        self._turn_check = check
+
+    def _check_turn(self, call: str) -> None:
+        if self._turn_check is not None:
+            self._turn_check(call)
+
     # ---- requests ----------------------------------------------------------------------------------
     def check_blend(self, blend, index: int = 0) -> None:
         """ValueError naming what keeps this engine from serving reuse=`blend` (prompt `index` of a batch);
@@ -109,6 +121,7 @@ class Engine:
                     reuse: str = "exact") -> int:
         """Queue one prompt (plain, or composite: chunkwise/chunks.py); returns its request id. Tokens arrive
         through `step`."""
+        self._check_turn("add_request")
         with self._lock:
             self.core.check_open()
             request = self.frontend.requests(single_prompt(prompt), sampling_params, [chunk_sizes], reuse)[0]
@@ -120,6 +133,7 @@ class Engine:
         """Stop a request and free its pages; returns its output (the tokens so far, finish_reason "abort"),
         or None if it had already finished. Under overlap scheduling its token in flight is dropped: the output
         holds the tokens `step` has returned."""
+        self._check_turn("abort")
         with self._lock:
             final = self.outputs.ended(self.core.abort(request_id), request_id)
             return None if final is None else final.output
@@ -143,6 +157,7 @@ class Engine:
         `max_pinned_fraction` of the pool, and a pin leaving some queued request no room is refused too
         (ValueError; no handle is issued, the computed pages stay evictable). Context and chunk shorter than a page
         fill no page: the chunk is only a handle."""
+        self._check_turn("register_chunk")
         with self._lock:
             self.core.check_open()
             ids, context, request = self.frontend.chunk_job(prompt, pin, after)
@@ -158,12 +173,14 @@ class Engine:
 
     def unpin(self, chunk: Chunk) -> None:
         """Let a pinned chunk's pages be evicted again (they stay cached until then)."""
+        self._check_turn("unpin")
         with self._lock:
             self.core.unpin(self.frontend.unpin(chunk))
 
     def prefill_kv(self, prompt, chunk_sizes=None, reuse="exact") -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [num_layers, num_tokens, kv_heads, head_dim] of the prompt as this engine cached them
         (after k-norm and RoPE), gathered from its own pages."""
+        self._check_turn("prefill_kv")
         with self._lock:
             self.core.check_open()
             request = self.frontend.requests(single_prompt(prompt), PREFIX_PARAMS, [chunk_sizes], reuse)[0]
@@ -194,6 +211,7 @@ class Engine:
         """One scheduler step: a forward over the batch, sampling, bookkeeping. Returns what each request queued by
         `add_request` got (with its new text), this step or while another call stepped the engine; under overlap
         scheduling, what the step before got, once this one is launched."""
+        self._check_turn("step")
         with self._lock:
             self._step()
             return self.outputs.take_unclaimed()
@@ -212,6 +230,7 @@ class Engine:
         """Run prompts to completion (other queued requests advance too); outputs in prompt order. A prompt may
         be composite (a list holding registered Chunks, text and id lists: chunkwise/chunks.py); `reuse` is
         "exact" (or one per prompt)."""
+        self._check_turn("generate")
         mine: list[StepOutput] = []
         with self._lock:
             self.core.check_open()

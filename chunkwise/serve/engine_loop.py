@@ -6,9 +6,9 @@ driver's messages are handled at once on the engine thread (the client decodes t
 hands them to the event loop). Because the same thread adds a request and later routes its outputs, no output can
 arrive before its queue is known. engine_core.py is the other transport: the same driver in a process of its own.
 
-The engine thread is the engine's only stepper: another thread that calls the Engine directly (`generate`,
-`register_chunk`) while it runs would step the same core, and each would take the other's outputs. `paused()` holds
-the engine thread, once idle, for such a caller.
+The engine thread is the engine's only stepper: another thread that called the Engine directly (`generate`,
+`register_chunk`) while it runs would step the same core, and each would take the other's outputs, so such a call
+is refused by name. `paused()` holds the engine thread, once idle, for such a caller.
 """
 from __future__ import annotations
 
@@ -35,8 +35,23 @@ class _ThreadTransport:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self.turn = threading.Lock()   # held by whoever steps the engine: the engine thread, or a pauser
+        self.holder: int | None = None  # the thread holding the turn
         self.pausers = 0               # pausers waiting for or holding the turn
         self.count = threading.Lock()  # guards `pausers`
+
+    def take(self) -> None:
+        self.turn.acquire()
+        self.holder = threading.get_ident()
+
+    def give(self) -> None:
+        self.holder = None
+        self.turn.release()
+
+    def check_turn(self, call: str) -> None:
+        """The served Engine asks this before each call that steps or changes it: only the turn's holder may."""
+        if self.holder != threading.get_ident():
+            raise RuntimeError(f"Engine.{call}: this engine is served, its engine thread steps it; call it inside "
+                               f"`with loop.paused():` (chunkwise/serve/engine_loop.py)")
 
     def put(self, message) -> None:
         self._inbox.put(message)
@@ -46,13 +61,13 @@ class _ThreadTransport:
         """What the server sent. A driver with nothing in flight (`wait`) lets go of the turn while it waits, so a
         pauser may take it, and takes it back before it handles what came."""
         if wait:
-            self.turn.release()
+            self.give()
             try:
                 self._wake.wait()
             finally:
                 while self.pausers:   # a lock is not fair: a woken driver could take the turn before a pauser
                     time.sleep(PAUSE_POLL_S)
-                self.turn.acquire()
+                self.take()
         self._wake.clear()
         return list(_drained(self._inbox))
 
@@ -73,9 +88,13 @@ class EngineLoop(EngineClient):
         drive = self._driver.run if profile is None else lambda: profile.runcall(self._driver.run)
 
         def run():
-            with self._transport.turn:
+            self._transport.take()
+            try:
                 drive()
+            finally:
+                self._transport.give()
 
+        self.engine.hand_over(self._transport.check_turn)
         self._thread = threading.Thread(target=run, name="chunkwise-engine", daemon=True)
         self._thread.start()
 
@@ -88,8 +107,11 @@ class EngineLoop(EngineClient):
         with transport.count:
             transport.pausers += 1
         try:
-            with transport.turn:
+            transport.take()
+            try:
                 yield self.engine
+            finally:
+                transport.give()
         finally:
             with transport.count:
                 transport.pausers -= 1
@@ -100,6 +122,8 @@ class EngineLoop(EngineClient):
         if self._thread is not None and self._thread.is_alive():
             self._transport.put(Stop())
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            self.engine.hand_over(None)
 
     def close(self) -> None:
         """stop(), then close the engine."""
