@@ -230,11 +230,11 @@ def test_the_test_that_killed_a_mutant_last_runs_first_then_the_named_ones(monke
     """order_named_first with the recorded killer (CHUNKWISE_MUTANT_FIRST, node ids one a line), and record_kills
     keeping a killed mutant's first failing test for the next run beside the entries of mutants not run."""
     order = _named_first(monkeypatch, "tile_config", "tests/t.py::killer[a-1]\ntests/t.py::gone")
-    killer = _Item(_calls_nothing, "tests/t.py::killer[a-1]")
-    items = [_Item(_calls_other), _Item(_calls_tile_config), killer, _Item(len)]
-    rest = [items[0], items[3]]
+    other, named, killer, last = (_Item(_calls_other), _Item(_calls_tile_config),
+                                  _Item(_calls_nothing, "tests/t.py::killer[a-1]"), _Item(len))
+    items = [other, named, killer, last]
     order(None, items)
-    assert items[:2] == [killer, items[1]] and items[1].function is _calls_tile_config and items[2:] == rest
+    assert items == [killer, named, other, last]
 
     monkeypatch.setattr(mutants, "KILLS", tmp_path / "kills.json")
     (tmp_path / "kills.json").write_text('{"old": "tests/a.py::t", "m": "tests/b.py::was"}')
