@@ -121,7 +121,7 @@ def mode_roofline(mode, reuse, num_cached, prompt_len, cfg, cost, ceilings) -> d
     return layered_prefill(cost, cfg.num_layers, rows, prompt_len / 2, moved, ceilings)
 
 
-def gpu_busy(prof, top: int = 8) -> tuple[float, int, list]:
+def gpu_busy(prof, top: int = 20) -> tuple[float, int, list]:
     """(ms the GPU ran any kernel or copy, the union of their intervals; how many ran; the `top` names by total ms,
     as (name, ms, count)) in a profile."""
     from torch.autograd import DeviceType
@@ -132,7 +132,7 @@ def gpu_busy(prof, top: int = 8) -> tuple[float, int, list]:
         end = max(end, b)
     by_name: dict[str, list] = {}
     for e in events:
-        entry = by_name.setdefault(e.name[:80], [0.0, 0])
+        entry = by_name.setdefault(e.name[:110], [0.0, 0])
         entry[0] += e.time_range.elapsed_us() / 1e3
         entry[1] += 1
     ranked = sorted(((n, round(ms, 3), c) for n, (ms, c) in by_name.items()), key=lambda x: -x[1])

@@ -166,6 +166,35 @@ def test_a_token_not_recomputed_carries_its_chunks_own_kv_with_k_rotated_to_its_
     assert not torch.allclose(k[1:], k_e[1:], atol=1e-3)   # later layers miss the context: that is blending
 
 
+def test_a_blends_later_layers_split_their_context_and_still_equal_the_reference_blend(tiny_ckpt, monkeypatch):
+    """Outside deterministic mode a blend's rows after its check layers (explicit positions, up to
+    PLANNED_SPLIT_ROWS) split their context every PLANNED_SPLIT_SIZE positions (here 64, so the kept rows of an
+    83-token prompt merge two splits) in PLANNED_TILE_ROWS-row tiles, and its check layers take one pass in those
+    tiles: the K/V (the last layer's come from the split attention of the layer before) equal the reference
+    engine's blend."""
+    import chunkwise.engine.model as model
+    from chunkwise.kernels.paged_attention import paged_attention
+    monkeypatch.setattr(model, "PLANNED_SPLIT_SIZE", 64)
+    planned = set()
+
+    def recording(*args, max_rows=256, split_size=None, positions=None, **kwargs):
+        if positions is not None:
+            planned.add((max_rows, split_size))
+        return paged_attention(*args, max_rows=max_rows, split_size=split_size, positions=positions, **kwargs)
+    monkeypatch.setattr(model, "paged_attention", recording)
+    ckpt = str(tiny_ckpt("qwen3", num_hidden_layers=LAYERS + 2))   # two layers after the check layers 1..3
+    eng = Engine(ckpt, dtype="float32", device="cpu", page_size=4, num_pages=400, max_model_len=96,
+                 split_kv_threshold=0)
+    ref = RefEngine(ckpt, dtype="float32", device="cpu", page_size=4)
+    layout = [("text", [5, 6, 7]), ("chunk", 0), ("text", [8, 9]), ("chunk", 1), ("text", [10, 11])]
+    prompt, ref_prompt = build(eng, (40, 36), layout, "split"), build(ref, (40, 36), layout, "split")
+    k, v = eng.prefill_kv(prompt, reuse=Blend(0.3))
+    k_ref, v_ref = ref.prefill_kv(ref_prompt, reuse=Blend(0.3))
+    torch.testing.assert_close(k, k_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(v, v_ref, atol=1e-4, rtol=1e-4)
+    assert planned == {(model.PLANNED_TILE_ROWS, None), (model.PLANNED_TILE_ROWS, 64)}
+
+
 def test_a_blended_requests_pages_never_serve_an_exact_request(tiny_ckpt):
     eng = engine(tiny_ckpt, "qwen3", 2)
     doc, sys_ = eng.register_chunk(seeded_ids(14, "pages-doc")), eng.register_chunk(seeded_ids(6, "pages-sys"))

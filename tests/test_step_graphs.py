@@ -13,7 +13,8 @@ from hypothesis import example, given, settings, strategies as st
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from chunkwise.engine import Engine, SamplingParams
 from chunkwise.chunks import Blend
-from chunkwise.engine.cuda_graphs import PREFILL_SEQS, ROWS_STEP, StepGraphs, tail_bucket
+from chunkwise.engine.cuda_graphs import (PREFILL_SEQS, ROWS_STEP, TAIL_FINE_ROWS, TAIL_ROWS_STEP, StepGraphs,
+                                         tail_bucket)
 from chunkwise.engine.host_step import synthetic_step
 
 pytestmark = pytest.mark.correctness
@@ -195,8 +196,9 @@ def test_mixed_steps_over_the_static_inputs_give_the_eager_steps_bits_in_determi
 def test_every_tail_bucket_holds_its_rows_with_bounded_padding():
     for n in range(1, 3000):
         rows = tail_bucket(n)
-        assert n <= rows < n + (ROWS_STEP if n <= 512 else 256) and (rows % 16 == 0)
-    assert len({tail_bucket(n) for n in range(1, 8193)}) == 2 + 8 + 30   # 16, 32, 64..512 by 64, then by 256
+        assert n <= rows < n + (ROWS_STEP if n <= TAIL_FINE_ROWS else TAIL_ROWS_STEP) and (rows % 16 == 0)
+    # 16, 32, 64..2048 by 64, then by 256 up to 8192
+    assert len({tail_bucket(n) for n in range(1, 8193)}) == 2 + 32 + 24
 
 
 @pytest.mark.gpu

@@ -60,12 +60,15 @@ def row_bucket(n: int) -> int:
     return 16 if n <= 16 else 32 if n <= 32 else -(-n // ROWS_STEP) * ROWS_STEP
 
 
-TAIL_ROWS_STEP = 256   # blend graphs of more than 512 rows: multiples of this (fewer captures, padding < 256 rows)
+# Blend graphs' row counts: row_bucket's up to TAIL_FINE_ROWS (a blend's later layers compute a few hundred rows,
+# and padding them by up to 255 cost a fifth of their products), then multiples of TAIL_ROWS_STEP (fewer captures).
+TAIL_FINE_ROWS = 2048
+TAIL_ROWS_STEP = 256
 
 
 def tail_bucket(n: int) -> int:
-    """A blend graph's rows for n: row_bucket up to 512, then the next multiple of TAIL_ROWS_STEP."""
-    return row_bucket(n) if n <= 512 else -(-n // TAIL_ROWS_STEP) * TAIL_ROWS_STEP
+    """A blend graph's rows for n: row_bucket up to TAIL_FINE_ROWS, then the next multiple of TAIL_ROWS_STEP."""
+    return row_bucket(n) if n <= TAIL_FINE_ROWS else -(-n // TAIL_ROWS_STEP) * TAIL_ROWS_STEP
 
 
 class StepGraphs:

@@ -85,8 +85,12 @@ class LayerState:
 PREFILL_SPLIT_ROWS = 512
 PREFILL_SPLIT_SIZE = 512
 PREFILL_SPLIT_TILE_ROWS = 128   # the split launches' tile cap, and so their workspace's
-# A row plan's rows after its check layers lie anywhere in the context, each query block spanning most of it.
+# A row plan's rows (explicit positions) lie anywhere in the context, each query block spanning much of it: they
+# take tiles of PLANNED_TILE_ROWS rows, and up to PLANNED_SPLIT_ROWS rows split every PLANNED_SPLIT_SIZE positions.
+# Chosen by benchmarks/attention_planned.py: docs/BENCHMARKS.md, "Behind the code: PLANNED_SPLIT_SIZE".
 PLANNED_SPLIT_ROWS = 1024
+PLANNED_SPLIT_SIZE = 2048
+PLANNED_TILE_ROWS = 128
 # One-pass prefill tiles' rows (256 on Hopper, else 128: tile_config), in both modes (docs/BENCHMARKS.md,
 # "Behind the code: PREFILL_TILE_ROWS"). Deterministic mode's decodes take 16-row tiles (paged_decode with
 # sum_by_dot), whose rows get these tiles' bits.
@@ -293,7 +297,14 @@ class Model:
         if self.deterministic or selecting or not 0 < p <= cap or self._fa3(inp):
             return None
         return paged_split_workspace(p, self._heads()[0], self.embed.dtype, k_cache, inp.page_tables,
-                                     PREFILL_SPLIT_SIZE, max_rows=PREFILL_SPLIT_TILE_ROWS)
+                                     *self._prefill_split(inp, True))
+
+    @staticmethod
+    def _prefill_split(inp: StepInputs, split: bool) -> tuple[int | None, int]:
+        """(split_size or None, tile rows) of a step's prefill attention."""
+        if inp.explicit_positions:
+            return (PLANNED_SPLIT_SIZE if split else None), PLANNED_TILE_ROWS
+        return (PREFILL_SPLIT_SIZE, PREFILL_SPLIT_TILE_ROWS) if split else (None, PREFILL_TILE_ROWS)
 
     def warm_up_deterministic(self, max_rows: int) -> None:
         """Deterministic mode: compiles what the eager warm-up's small steps do not reach, so that none compiles
@@ -369,13 +380,11 @@ class Model:
             fa3_paged_attention(q[:p], k_cache, v_cache, inp.page_tables, inp.seq_lens, inp.query_start_loc,
                                 cfg.attn_scale, sliding_window=window, out=out[:p], split=p <= PREFILL_SPLIT_ROWS)
         elif p:
-            split = prefill_workspace is not None
+            split_size, tile_rows = self._prefill_split(inp, prefill_workspace is not None)
             paged_attention(q[:p], k_cache, v_cache, inp.page_tables, inp.seq_lens, inp.query_start_loc,
-                            cfg.attn_scale, sliding_window=window, out=out[:p],
-                            max_rows=PREFILL_SPLIT_TILE_ROWS if split else PREFILL_TILE_ROWS,
+                            cfg.attn_scale, sliding_window=window, out=out[:p], max_rows=tile_rows,
                             positions=inp.positions[:p] if inp.explicit_positions else None,
-                            split_size=PREFILL_SPLIT_SIZE if split else None, workspace=prefill_workspace,
-                            sum_by_dot=self.deterministic)
+                            split_size=split_size, workspace=prefill_workspace, sum_by_dot=self.deterministic)
         if side is not None:
             torch.cuda.current_stream(q.device).wait_stream(side)
         out = self._linear(out.reshape(t, -1), lw["o"])
