@@ -57,7 +57,7 @@ import sys
 import tempfile
 import time
 import tokenize
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -329,6 +329,16 @@ MUTANTS = [
            "        if self.deterministic or selecting or not 0 < p <= cap or self._fa3(inp):\n",
            "        if self.deterministic or selecting or not 0 < p < cap or self._fa3(inp):\n",
            "a step of exactly PREFILL_SPLIT_ROWS prefill rows takes one pass instead of splitting its context"),
+    Mutant("planned_rows_split_as_plain_prefills", "chunkwise/engine/model.py::Model._prefill_split",
+           "            return (PLANNED_SPLIT_SIZE if split else None), PLANNED_TILE_ROWS\n",
+           "            return (PREFILL_SPLIT_SIZE if split else None), PLANNED_TILE_ROWS\n",
+           "a blend's later layers split their context every PREFILL_SPLIT_SIZE positions, the plain prefill's "
+           "constant, not the row plan's own"),
+    Mutant("planned_one_pass_takes_plain_tiles", "chunkwise/engine/model.py::Model._prefill_split",
+           "            return (PLANNED_SPLIT_SIZE if split else None), PLANNED_TILE_ROWS\n",
+           "            return (PLANNED_SPLIT_SIZE if split else None), PREFILL_TILE_ROWS if not split else PLANNED_TILE_ROWS\n",
+           "a blend's one-pass layers (layer 0, its check layers) take the plain prefill's 256-row tiles, whose "
+           "query blocks span twice the scattered positions"),
     Mutant("deterministic_prefill_splits_context", "chunkwise/engine/model.py::Model._prefill_workspace",
            "        if self.deterministic or selecting or not 0 < p <= cap or self._fa3(inp):\n",
            "        if selecting or not 0 < p <= cap or self._fa3(inp):\n",
@@ -1929,10 +1939,11 @@ def main(argv=None) -> int:
             return 1
         print(f"baseline: {base.seconds:.0f} s", flush=True)
     results = []
-    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        for r in pool.map(lambda m: run_one(m, args.timeout, pinned_only=args.pinned_only, deselect=deselect,
-                                            smoke_only=args.smoke_only),
-                          chosen):
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:   # each verdict printed as it comes (a run cut short keeps them)
+        runs = [pool.submit(run_one, m, args.timeout, pinned_only=args.pinned_only, deselect=deselect,
+                            smoke_only=args.smoke_only) for m in chosen]
+        for done in as_completed(runs):
+            r = done.result()
             print(f"{r.mutant.name}: {r.verdict} {r.first_failure} ({r.seconds:.0f} s)", flush=True)
             if r.message:
                 print(f"    {r.message}", flush=True)
