@@ -141,10 +141,44 @@ SMOKE = (
 )
 
 
+# The tests that took over 40 s on one of CI's cores (--durations), longest first: after the smoke tier they go to the
+# xdist workers before the rest, so that no minute-long test starts last while the other worker idles.
+HEAVY = (
+    "tests/test_real_checkpoints.py::test_engine_matches_hf_on_gemma_past_its_sliding_window",
+    "tests/test_chunks.py::test_composites_equal_the_concatenated_ids_and_pinned_chunks_survive_pressure",
+    "tests/test_real_checkpoints.py::test_engine_greedy_tokens_and_logprobs_match_hf",
+    "tests/test_bench_serving.py",
+    "tests/test_chunk_contexts.py::test_the_fast_engines_conditioned_blend_equals_the_references",
+    "tests/test_parity.py::test_prefix_cache_reuses_exactly_the_full_pages_shared_with_an_earlier_request",
+    "tests/test_parity.py::test_tokens_do_not_depend_on_chunking_or_page_size",
+    "tests/test_limits.py::test_graph_buckets_from_any_max_num_seqs_stage_every_decode_batch_as_eager_steps_compute_it",
+    "tests/test_serve_process.py::test_concurrent_clients_get_the_outputs_of_an_engine_of_this_process",
+    "tests/test_step_graphs.py::test_mixed_steps_over_the_static_inputs_give_the_eager_steps_bits_in_deterministic_mode",
+    "tests/test_serve.py::test_32_concurrent_clients_get_the_engines_own_outputs",
+    "tests/test_chunk_contexts.py::test_a_prompt_opening_with_context_and_chunk_reuses_their_pages_exactly",
+    "tests/test_chunks.py::test_a_composite_is_scheduled_as_the_plain_prompt_of_its_ids",
+    "tests/test_kernels_positions.py::test_explicit_positions_match_reference_and_the_implicit_pass_bitwise",
+)
+
+
+def _tiers(item) -> tuple[int, int]:
+    """An item's sort key: its place in SMOKE, then in HEAVY (the rest keep their order: the sort is stable)."""
+    return _smoke_rank(item), _heavy_rank(item)
+
+
+def _heavy_rank(item) -> int:
+    """The item's place in HEAVY, or len(HEAVY) if it is not listed."""
+    return _rank(item, HEAVY)
+
+
+def _rank(item, tier: tuple[str, ...]) -> int:
+    node = item.nodeid.split("[")[0]
+    return next((i for i, s in enumerate(tier) if node == s or node.startswith(s + "::")), len(tier))
+
+
 def _smoke_rank(item) -> int:
     """The item's place in SMOKE (cheapest first), or len(SMOKE) if it is not a smoke test."""
-    node = item.nodeid.split("[")[0]
-    return next((i for i, s in enumerate(SMOKE) if node == s or node.startswith(s + "::")), len(SMOKE))
+    return _rank(item, SMOKE)
 
 
 def _keep_xdist_groups(config, items) -> None:
@@ -170,7 +204,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _smoke_rank(item) < len(SMOKE):
             item.add_marker(pytest.mark.smoke)
-    items.sort(key=_smoke_rank)   # stable: the smoke tier first, in SMOKE's order; the rest in collection order
+    # stable: the smoke tier first, in SMOKE's order; then the heaviest tests, longest first; the rest in
+    # collection order
+    items.sort(key=_tiers)
     _keep_xdist_groups(config, items)
     # benchmarks/ is collected (testpaths) so that `pytest --benchmark-only` finds it, but its items run
     # only when benchmarks are asked for: a plain test run stays the test suite.

@@ -329,6 +329,11 @@ MUTANTS = [
            "        if self.deterministic or selecting or not 0 < p <= cap or self._fa3(inp):\n",
            "        if self.deterministic or selecting or not 0 < p < cap or self._fa3(inp):\n",
            "a step of exactly PREFILL_SPLIT_ROWS prefill rows takes one pass instead of splitting its context"),
+    Mutant("heavy_tests_not_sent_first", "conftest.py::_tiers",
+           "    return _smoke_rank(item), _heavy_rank(item)\n",
+           "    return _smoke_rank(item), 0\n",
+           "the heaviest tests keep their collection place: a minute-long one can start last while the other xdist "
+           "worker idles"),
     Mutant("planned_rows_split_as_plain_prefills", "chunkwise/engine/model.py::Model._prefill_split",
            "            return (PLANNED_SPLIT_SIZE if split else None), PLANNED_TILE_ROWS\n",
            "            return (PREFILL_SPLIT_SIZE if split else None), PLANNED_TILE_ROWS\n",

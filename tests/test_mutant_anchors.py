@@ -2,10 +2,12 @@
 plants the catalogue's bugs can hold this file): a pattern is matched in its function ignoring whitespace and
 comments, a line pattern takes its line's comment, an edit is re-indented level by level, a moved function is
 found, and an old-format entry is anchored in its innermost function, telling apart texts that only their
-indentation told apart."""
+indentation told apart. Also the order conftest.py gives the suite (the smoke tier, then the heaviest tests), which
+the catalogue's runs keep after each mutant's own first tests."""
 import importlib.util
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -242,3 +244,16 @@ def test_the_test_that_killed_a_mutant_last_runs_first_then_the_named_ones(monke
     mutants.record_kills([mutants.Result(m, "killed", "tests/b.py::now", 1.0, ""),
                           mutants.Result(n, "SURVIVED", "", 1.0, "")])
     assert mutants.load_kills() == {"m": "tests/b.py::now", "old": "tests/a.py::t"}
+
+
+def test_the_smoke_tier_runs_first_then_the_heaviest_tests_longest_first_then_the_rest_in_order():
+    spec = importlib.util.spec_from_file_location("root_conftest", _PATH.parent.parent / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    item = lambda nodeid: SimpleNamespace(nodeid=nodeid)   # noqa: E731
+    plain, other = item("tests/test_text.py::test_a"), item("tests/test_cli.py::test_b")
+    heavy = [item(conftest.HEAVY[0] + "[case0]"), item(conftest.HEAVY[3] + "::test_any_of_its_module")]
+    smoke = item(conftest.SMOKE[0])
+    items = [plain, heavy[1], smoke, other, heavy[0]]
+    items.sort(key=conftest._tiers)
+    assert items == [smoke, heavy[0], heavy[1], plain, other]
