@@ -1,6 +1,7 @@
 """Overlap scheduling changes when the host learns a step's tokens, never what they are: the async engine's
 outputs equal the synchronous engine's, streamed and final, under stop tokens, max_tokens, logprobs, seeded
-sampling, aborts mid-flight, preemption in a small pool and prefix-cache hits; and it leaks nothing."""
+sampling, aborts mid-flight, preemption in a small pool and prefix-cache hits; and it leaks nothing. The core
+streams nothing of a request after its finish or abort, not even the token its step in flight computed."""
 import pytest
 from hypothesis import event, example, given, note, settings, strategies as st
 
@@ -101,3 +102,51 @@ def test_async_outputs_equal_sync_outputs(engines, solo, specs):
         assert a.token_ids[:n] == s.token_ids[:n], f"request {k}"
         if s.logprobs is not None:
             assert a.logprobs[:n] == s.logprobs[:n], f"request {k}"
+
+
+def core_outputs(core, rid, steps: int) -> list:
+    """The core's outputs for request `rid` over `steps` calls of `core.step()` (a call after its finish too)."""
+    return [o for _ in range(steps) for o in core.step() if o.request_id == rid]
+
+
+def test_a_request_finished_by_a_stop_token_gets_no_token_from_the_step_launched_before_its_finish(engines, solo):
+    """Under overlap the step after the one that samples a stop token is launched before the host learns that
+    token: the request is in it and computes a token in vain. The core streams nothing of it: the request's
+    outputs end with the stop token, whatever steps run after. (The facade drops outputs of a finished request,
+    so only the core's own outputs show it; the server's driver sends those as they are.)"""
+    engine = engines[True]
+    core = engine.core
+    tokens = solo[0]
+    stop = tokens[2]
+    expected = tokens[:tokens.index(stop) + 1]
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, stop_token_ids=(stop,))
+    rid = core.add_requests(engine.frontend.requests([PROMPTS[0]], params))[0]
+    outs = []
+    while not outs or not outs[-1].finished:
+        outs += [o for o in core.step() if o.request_id == rid]
+    # The precondition of a wasted token: the step launched before the stop token was known holds the request.
+    assert core._in_flight is not None and rid in [s.seq_id for s in core._in_flight.batch.seqs]
+    outs += core_outputs(core, rid, 2)   # postprocesses that step, then an idle one
+    assert [o.new_token_ids for o in outs] == [[t] for t in expected], "a token streamed after the stop token"
+    assert [o.finished for o in outs] == [False] * (len(expected) - 1) + [True]
+    assert outs[-1].finish_reason == "stop" and outs[-1].output.token_ids == expected
+    assert not core.has_unfinished() and core._in_flight is None
+    assert engine.page_pool.num_free_pages == engine.page_pool.num_pages, "pages leaked"
+
+
+def test_a_request_aborted_while_its_step_runs_gets_no_token_from_that_step(engines, solo):
+    """An abort between steps, under overlap, ends a request whose next step is on the device: its abort output
+    holds the tokens streamed so far and the core streams nothing of it after, not the token that step computed."""
+    engine = engines[True]
+    core = engine.core
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    rid = core.add_requests(engine.frontend.requests([PROMPTS[2]], params))[0]
+    outs = []
+    while len(outs) < 2:
+        outs += [o for o in core.step() if o.request_id == rid]
+    assert core._in_flight is not None and rid in [s.seq_id for s in core._in_flight.batch.seqs]
+    aborted = core.abort(rid)
+    assert aborted.finish_reason == "abort" and aborted.output.token_ids == solo[2][:2]
+    assert core_outputs(core, rid, 2) == [], "the aborted request's token in flight was streamed"
+    assert not core.has_unfinished() and core._in_flight is None
+    assert engine.page_pool.num_free_pages == engine.page_pool.num_pages, "pages leaked"
