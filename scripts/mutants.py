@@ -118,7 +118,8 @@ SELECTION = [
     "tests/test_bench_blend_quality.py::test_a_known_paired_difference_gives_a_known_interval_side",   # the
     "tests/test_bench_blend_quality.py::test_a_two_hop_answer_needs_both_its_documents",      # quality bench's
     "tests/test_bench_blend_quality.py::test_batched_forcing_equals_the_reference_extend_per_prompt",   # parts
-    "tests/test_cli.py::test_a_bad_argument_is_one_line_naming_it_and_exit_status_1",   # no model runs
+    "tests/test_cli.py",   # the command line's checks and its engines' comparison (tiny models)
+    "tests/test_warm_up.py",   # pure checks of the warm-up's step lists
     "tests/test_xdist_groups.py",   # CI's loadgroup keeps a group on one worker: a pytest under -n 2, seconds
 ]
 SMOKE_MARKER = "smoke"   # conftest.py runs these first in any selection
