@@ -335,6 +335,11 @@ MUTANTS = [
            "    return _smoke_rank(item), 0\n",
            "the heaviest tests keep their collection place: a minute-long one can start last while the other xdist "
            "worker idles"),
+    Mutant("id_array_sliced_past_the_prompt_array", "chunkwise/engine/sequence.py::Sequence.id_array",
+           "        if ids is not None and hi <= len(ids):\n",
+           "        if ids is not None:\n",
+           "a composite prompt's id array is sliced past its end: generated tokens go missing from the pool's page "
+           "bytes and the runner's step ids"),
     Mutant("planned_rows_split_as_plain_prefills", "chunkwise/engine/model.py::Model._prefill_split",
            "            return (PLANNED_SPLIT_SIZE if split else None), PLANNED_TILE_ROWS\n",
            "            return (PREFILL_SPLIT_SIZE if split else None), PLANNED_TILE_ROWS\n",

@@ -124,6 +124,16 @@ def test_a_composite_prompts_id_array_is_its_ids_and_is_checked_against_the_voca
         for r in validate_requests(cfg, tok, MAX_MODEL_LEN, prompts, chunks=registry):
             assert r.prompt_array.dtype == np.int64 and r.prompt_array.tolist() == r.prompt_token_ids
     assert validate_requests(cfg, tok, MAX_MODEL_LEN, [[5, 6, 7]], chunks=registry)[0].prompt_array is None
+    # A sequence's id array (the pool's page bytes, the runner's step ids) is its tokens over any range, across the
+    # prompt's end into generated tokens, and for a plain prompt too
+    from chunkwise.engine.sequence import Sequence
+    for r in validate_requests(cfg, tok, MAX_MODEL_LEN, [[a, [5, 6, 7], b], [8, 9, 10]], chunks=registry):
+        seq = Sequence.from_request(r)
+        seq.token_ids += [11, 12]
+        n = len(seq.token_ids)
+        for lo, hi in [(0, n), (0, n - 2), (3, n - 2), (3, n - 1), (n - 2, n), (4, 4)]:
+            got = seq.id_array(lo, hi)
+            assert got.dtype == np.int64 and got.tolist() == seq.token_ids[lo:hi], (lo, hi)
     with pytest.raises(ValueError, match=rf"prompt 1 holds token id {VOCAB}, outside the vocabulary \[0, {VOCAB}\)"):
         validate_requests(cfg, tok, MAX_MODEL_LEN, [[a], [b, [3, VOCAB, -1]]], chunks=registry)
 

@@ -146,13 +146,10 @@ class ModelRunner:
         """int64 [count]: the known ids the entries (seq, n, samples, start) compute, in order. Prompt tokens of a
         request with an id array (a composite prompt's, chunkwise/requests.py) are sliced from it, the others
         read from the token lists in one pass."""
-        arrays = [s.request.prompt_array if s.request is not None else None for s, _, _, _ in entries]
-        if all(a is None for a in arrays):
+        if all(s.request is None or s.request.prompt_array is None for s, _, _, _ in entries):   # one pass
             return np.fromiter(itertools.chain.from_iterable(s.token_ids[c:c + k] for s, k, _, c in entries),
                                np.int64, count)
-        return np.concatenate([a[c:c + k] if a is not None and c + k <= len(a)
-                               else np.fromiter(s.token_ids[c:c + k], np.int64)
-                               for a, (s, k, _, c) in zip(arrays, entries)])
+        return np.concatenate([s.id_array(c, c + k) for s, k, _, c in entries])
 
     def _cascade(self, rows: np.ndarray, seq_lens: np.ndarray) -> CascadeGroups | None:
         """The split-KV decodes' shared splits (decodes in page-table `rows`, holding `seq_lens` tokens), when

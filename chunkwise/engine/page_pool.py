@@ -110,14 +110,10 @@ class PagePool:
             return found
         return self._walk(self.seq_bytes(seq, (seq.num_tokens - 1) // self.page_size * self.page_size))
 
-    def seq_bytes(self, seq: Sequence, n: int, lo: int = 0) -> bytes:
-        """`token_bytes` of seq's tokens lo..n-1: a slice of its request's id array when they are prompt tokens and
-        it has one (a composite prompt: no pass over its Python ints), else made from its token ids."""
-        request = seq.request
-        ids = request.prompt_array if request is not None else None
-        if ids is not None and n <= len(ids):
-            return ids[lo:n].tobytes()
-        return token_bytes(seq.token_ids[lo:n])
+    @staticmethod
+    def seq_bytes(seq: Sequence, n: int, lo: int = 0) -> bytes:
+        """`token_bytes` of seq's tokens lo..n-1 (TOKEN_FORMAT is int64, native order: an int64 array's bytes)."""
+        return seq.id_array(lo, n).tobytes()
 
     def _walk(self, data: bytes) -> list[tuple[int, bytes]]:
         """The cached pages (page id, chain hash) continuing the chain of `data`, token bytes of whole pages, from

@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 import itertools
 
+import numpy as np
+
 from chunkwise.requests import Request, expand_chunk_sizes
 from chunkwise.sampling import SamplingParams
 from chunkwise.tokenizer import all_ints, is_int
@@ -73,6 +75,14 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
                 f"pages={self.page_table}, {self.status.name})")
+
+    def id_array(self, lo: int, hi: int) -> np.ndarray:
+        """int64 [hi - lo]: tokens lo..hi-1 (known on the host), a slice of the request's id array where they are
+        its prompt's and it has one (a composite prompt's: no pass over its Python ints), else from token_ids."""
+        ids = self.request.prompt_array if self.request is not None else None
+        if ids is not None and hi <= len(ids):
+            return ids[lo:hi]
+        return np.fromiter(self.token_ids[lo:hi], np.int64)
 
     @property
     def pieces(self):
