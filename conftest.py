@@ -141,8 +141,9 @@ SMOKE = (
 )
 
 
-# The tests that took over 40 s on one of CI's cores (--durations), longest first: after the smoke tier they go to the
-# xdist workers before the rest, so that no minute-long test starts last while the other worker idles.
+# The tests that took over 40 s in a --durations run of the suite on a 2-core machine (2026-11-29), longest first:
+# after the smoke tier they go to the xdist workers before the rest, so that no minute-long test starts last while
+# the other worker idles.
 HEAVY = (
     "tests/test_real_checkpoints.py::test_engine_matches_hf_on_gemma_past_its_sliding_window",
     "tests/test_chunks.py::test_composites_equal_the_concatenated_ids_and_pinned_chunks_survive_pressure",
