@@ -111,6 +111,8 @@ SELECTION = [
     "tests/test_serve_process.py",
     "tests/test_bench_serving.py",
     "tests/test_tensor_parallel_lifecycle.py",
+    "tests/test_tensor_parallel.py",   # tensor parallelism's config and ranks on gloo
+    "tests/test_engine_core.py",   # the core's contract: ids only, prefix jobs, stats
     "tests/test_layers.py",
     "tests/test_engine_config.py",
     "tests/test_readme.py::test_python_block_uses_only_names_it_or_its_section_defines",   # cheap: no block runs
