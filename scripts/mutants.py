@@ -342,6 +342,11 @@ MUTANTS = [
            "        if ids is not None:\n",
            "a composite prompt's id array is sliced past its end: generated tokens go missing from the pool's page "
            "bytes and the runner's step ids"),
+    Mutant("recorded_killer_base_name_not_matched", "scripts/mutants.py::order_named_first",
+           'if item.nodeid in first or item.nodeid.split("[")[0] in first',
+           "if item.nodeid in first",
+           "a killer recorded by its base name (a parametrized test's id cut at a space) moves none of its cases "
+           "first: the mutant's run waits for it in the selection's order"),
     Mutant("planned_rows_split_as_plain_prefills", "chunkwise/engine/model.py::Model._prefill_split",
            "            return (PLANNED_SPLIT_SIZE if split else None), PLANNED_TILE_ROWS\n",
            "            return (PREFILL_SPLIT_SIZE if split else None), PLANNED_TILE_ROWS\n",
@@ -1031,7 +1036,7 @@ MUTANTS = [
            "a name that half the suite mentions still moves those tests first: the smoke tier, which kills most "
            "bugs in a minute, waits behind them"),
     Mutant("named_first_forgets_the_recorded_killer", "scripts/mutants.py::order_named_first",
-           "for item in [item for item in items if item.nodeid in first] + named:",
+           """for item in [item for item in items if item.nodeid in first or item.nodeid.split("[")[0] in first] + named:""",
            "for item in named:",
            "the test that killed a mutant last time is not run first: a mutant the named tests miss waits for the "
            "whole smoke tier again"),
@@ -1788,7 +1793,8 @@ def order_named_first(items: list, names: list[str], limit: int, first: tuple[st
     if len(named) > limit:
         named = []
     front, seen = [], set()
-    for item in [item for item in items if item.nodeid in first] + named:
+    # a recorded killer may be a parametrized test's base name (its id cut at "[": a parameter with a space in it)
+    for item in [item for item in items if item.nodeid in first or item.nodeid.split("[")[0] in first] + named:
         if id(item) not in seen:
             seen.add(id(item))
             front.append(item)

@@ -231,12 +231,13 @@ def test_a_mutant_is_named_by_its_function_its_kernels_launcher_its_class_or_its
 def test_the_test_that_killed_a_mutant_last_runs_first_then_the_named_ones(monkeypatch, tmp_path):
     """order_named_first with the recorded killer (CHUNKWISE_MUTANT_FIRST, node ids one a line), and record_kills
     keeping a killed mutant's first failing test for the next run beside the entries of mutants not run."""
-    order = _named_first(monkeypatch, "tile_config", "tests/t.py::killer[a-1]\ntests/t.py::gone")
+    order = _named_first(monkeypatch, "tile_config", "tests/t.py::killer[a-1]\ntests/t.py::gone\ntests/t.py::base")
     other, named, killer, last = (_Item(_calls_other), _Item(_calls_tile_config),
                                   _Item(_calls_nothing, "tests/t.py::killer[a-1]"), _Item(len))
-    items = [other, named, killer, last]
+    case, near = _Item(_calls_nothing, "tests/t.py::base[x y]"), _Item(_calls_nothing, "tests/t.py::base_two")
+    items = [other, named, near, case, killer, last]
     order(None, items)
-    assert items == [killer, named, other, last]
+    assert items == [case, killer, named, other, near, last]   # a base name takes each of its cases, only its own
 
     monkeypatch.setattr(mutants, "KILLS", tmp_path / "kills.json")
     (tmp_path / "kills.json").write_text('{"old": "tests/a.py::t", "m": "tests/b.py::was"}')
