@@ -138,6 +138,17 @@ def test_a_composite_prompts_id_array_is_its_ids_and_is_checked_against_the_voca
         validate_requests(cfg, tok, MAX_MODEL_LEN, [[a], [b, [3, VOCAB, -1]]], chunks=registry)
 
 
+def test_the_registry_refuses_a_chunk_id_outside_the_vocabulary_itself_naming_it():
+    """ChunkRegistry.chunk_ids checks a chunk's ids against the vocabulary before anything is registered or computed
+    (the last id passes, vocab_size is refused by name): not left to the prompt check of the computation after it."""
+    from chunkwise.chunks import ChunkRegistry
+
+    registry = ChunkRegistry("test")
+    assert registry.chunk_ids([5, VOCAB - 1], None, VOCAB) == [5, VOCAB - 1]
+    with pytest.raises(ValueError, match=rf"the chunk holds token id {VOCAB}, outside the vocabulary \[0, {VOCAB}\)"):
+        registry.chunk_ids([5, VOCAB], None, VOCAB)
+
+
 @st.composite
 def scenarios(draw):
     page_size = draw(st.sampled_from([2, 3, 4, 8]))

@@ -70,6 +70,15 @@ def test_an_abort_taken_between_steps_ends_its_request_with_the_tokens_of_the_st
     assert tokens_of(sent, rid) == ended[0].output.token_ids and len(ended[0].output.token_ids) == 2
 
 
+def test_running_requests_are_stepped_without_waiting_for_the_servers_next_message(engine):
+    # the scripted server sends one submission and then nothing: the request still runs to its length (a driver
+    # that waited for a message would find the server gone and abort it)
+    sent = run(engine, [Submit(0, [request(engine, [5, 6, 7], max_tokens=4)])])
+    rid = added(sent, 0)
+    ended = [o for m in sent if isinstance(m, Outputs) for o in m.outputs if o.request_id == rid and o.finished]
+    assert [o.finish_reason for o in ended] == ["length"] and len(tokens_of(sent, rid)) == 4
+
+
 def test_between_two_steps_aborts_go_first_then_chunk_calls_then_submissions(engine):
     chunk = request(engine, list(range(100, 112)), max_tokens=1)
     sent = run(engine, [Submit(0, [request(engine, [5, 6, 7])])],
