@@ -347,6 +347,10 @@ MUTANTS = [
            "if item.nodeid in first",
            "a killer recorded by its base name (a parametrized test's id cut at a space) moves none of its cases "
            "first: the mutant's run waits for it in the selection's order"),
+    Mutant("failed_node_cut_at_a_space", "scripts/mutants.py::failed_nodes",
+           'r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$"',
+           'r"^(?:FAILED|ERROR) (\\S+)"',
+           "a parametrized killer whose id holds a space is recorded cut at it: no node id equals it next time"),
     Mutant("planned_rows_split_as_plain_prefills", "chunkwise/engine/model.py::Model._prefill_split",
            "            return (PLANNED_SPLIT_SIZE if split else None), PLANNED_TILE_ROWS\n",
            "            return (PREFILL_SPLIT_SIZE if split else None), PLANNED_TILE_ROWS\n",
@@ -1836,6 +1840,12 @@ def named(m: Mutant) -> list[str]:
     return sorted({last, bare} - {""})
 
 
+def failed_nodes(out: str) -> list[str]:
+    """The node ids of a pytest -q summary's FAILED and ERROR lines, whole: a parametrized id may hold spaces, and
+    the message follows " - "."""
+    return re.findall(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", out, flags=re.M)
+
+
 def run_selection(m: Mutant | None, timeout: float = DEFAULT_TIMEOUT, pinned_only: bool = False,
                   deselect: tuple[str, ...] = (), stop_first: bool = True, python: str = sys.executable,
                   smoke_only: bool = False) -> Result:
@@ -1871,7 +1881,7 @@ def run_selection(m: Mutant | None, timeout: float = DEFAULT_TIMEOUT, pinned_onl
             return Result(m, "TIMEOUT", f"no failure within {timeout:.0f} s", time.monotonic() - start, out[-3000:])
         seconds = time.monotonic() - start
     stage = "smoke" if smoke_only else "pinned" if pinned_only else "full"
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, flags=re.M)
+    failed = failed_nodes(out)
     if proc.returncode == 1 and failed:
         message = next(iter(re.findall(r"^E +(.+)$", out, flags=re.M)), "")
         return Result(m, "killed", " ".join(failed) if m is None else failed[0], seconds, "", stage, message[:300])

@@ -258,3 +258,9 @@ def test_the_smoke_tier_runs_first_then_the_heaviest_tests_longest_first_then_th
     items = [plain, heavy[1], smoke, other, heavy[0]]
     items.sort(key=conftest._tiers)
     assert items == [smoke, heavy[0], heavy[1], plain, other]
+
+
+def test_a_failed_node_id_is_read_whole_even_with_spaces_in_its_parameters():
+    out = ("FAILED tests/t.py::test_a[blend r=0.15, staged] - AssertionError: x - y\n"
+           "ERROR tests/u.py - ImportError\nFAILED tests/t.py::test_b\n")
+    assert mutants.failed_nodes(out) == ["tests/t.py::test_a[blend r=0.15, staged]", "tests/u.py", "tests/t.py::test_b"]
