@@ -145,7 +145,6 @@ SMOKE = (
 # after the smoke tier they go to the xdist workers before the rest, so that no minute-long test starts last while
 # the other worker idles.
 HEAVY = (
-    "tests/test_real_checkpoints.py::test_engine_matches_hf_on_gemma_past_its_sliding_window",
     "tests/test_chunks.py::test_composites_equal_the_concatenated_ids_and_pinned_chunks_survive_pressure",
     "tests/test_real_checkpoints.py::test_engine_greedy_tokens_and_logprobs_match_hf",
     "tests/test_bench_serving.py",

@@ -320,7 +320,13 @@ def test_engine_greedy_tokens_and_logprobs_match_hf(name, case, hf_greedy, real_
     print(f"{name} {case}: {case.new_tokens} tokens equal to HF's, largest logprob difference {worst:.3g}")
 
 
-@pytest.mark.parametrize("case", ENGINE_CASES, ids=str)
+# The optimized engine's case is slow (about 100 s in Triton's interpreter: ~550 positions, 18 layers), so it
+# runs outside CI; there the reference's case holds the real window against HF, and tests/test_parity.py holds
+# the optimized engine to the reference on windowed models (a window of 3, a window of 70 on a long prompt).
+LONG_CASES = [ENGINE_CASES[0], pytest.param(ENGINE_CASES[1], marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("case", LONG_CASES, ids=str)
 def test_engine_matches_hf_on_gemma_past_its_sliding_window(case, hf_greedy, real_engine, record_property):
     expected = hf_greedy(GEMMA, LONG_PROMPT, LONG_NEW_TOKENS)
     eng = real_engine(case.engine, GEMMA, case.page_size)
