@@ -139,22 +139,29 @@ def test_cascade_steps_over_the_graphs_static_inputs_equal_eager_and_split_kv_st
     assert runner.launches == Counter({(kind, "eager"): n for kind, n in kinds.items()})
 
 
-def test_a_row_planned_steps_decodes_take_no_cascade_groups_and_keep_their_tokens(ckpt):
-    """Decodes sharing a pinned system chunk group into cascade steps, but not in a step that also carries a blended
-    prefill (a row plan): the blend graphs that hold such steps have no cascade groups, and split-KV's bits are
-    cascade's, so every request's tokens equal those of the same run with cascade off."""
+def test_a_blend_graph_holds_a_blended_step_whose_decodes_share_a_prefix_and_tokens_stay_cascades(ckpt):
+    """Decodes sharing a pinned system chunk group into cascade steps, also beside a blended prefill: that step still
+    goes to its blend graph (staged, then run eagerly over the graph's static inputs: no capture on CPU), whose
+    decodes read their splits as split-KV does, so every request's tokens equal those of the same run with cascade
+    off."""
     def blend_beside_decodes(cascade: bool):
         eng = Engine(ckpt, page_size=16, num_pages=256, max_model_len=MAX_MODEL_LEN, split_size=SPLIT,
                      split_kv_threshold=0, cascade_attention=cascade)
+        runner = eng.executor.runner
+        graphs = runner.blend_graphs
+        graphs.max_rows = eng.engine_config.max_num_batched_tokens   # as the runner sets it where graphs are captured
+        graphs.replay = lambda host, key, table, last_tokens, place: graphs.static_forward(host, table, last_tokens,
+                                                                                            place)
         system = eng.register_chunk([(7 * i + 3) % (VOCAB - 3) + 3 for i in range(2 * SPLIT)], pin=True)
         docs = [eng.register_chunk([(13 * i + d) % (VOCAB - 3) + 3 for i in range(24)], pin=True) for d in range(2)]
-        steps, prepare = [], eng.executor.runner.prepare
+        steps, prepare = [], runner.prepare
 
         def spy(batch):
             host, sampled = prepare(batch)
-            steps.append((host.row_plan is not None, len(host.rows) - host.num_prefill, host.cascade is not None))
+            if host.row_plan is not None:
+                steps.append((len(host.rows) - host.num_prefill, host.cascade is not None))
             return host, sampled
-        eng.executor.runner.prepare = spy
+        runner.prepare = spy
         long = SamplingParams(max_tokens=12, ignore_eos=True)
         rids = [eng.add_request([system, [5 + j, 6, 7]], long) for j in range(3)]
         for _ in range(4):   # their prefills, then decodes side by side
@@ -165,12 +172,10 @@ def test_a_row_planned_steps_decodes_take_no_cascade_groups_and_keep_their_token
         while eng.has_unfinished():
             outs.update({r.request_id: r.output.token_ids for r in eng.step() if r.finished})
         eng.close()
-        return [outs[r] for r in rids], steps
+        return [outs[r] for r in rids], steps, runner.launches
 
-    on, steps = blend_beside_decodes(True)
-    off, _ = blend_beside_decodes(False)
+    on, steps, launches = blend_beside_decodes(True)
+    off, _, _ = blend_beside_decodes(False)
     assert on == off
-    planned = [s for s in steps if s[0]]
-    assert planned and all(decodes >= 2 for _, decodes, _ in planned), steps   # the blend ran beside the decodes
-    assert not any(cascade for _, _, cascade in planned), steps
-    assert any(cascade for planned, _, cascade in steps if not planned), steps   # the decodes do share the chunk
+    assert steps and all(decodes >= 2 and cascade for decodes, cascade in steps), steps   # beside grouped decodes
+    assert launches["blend", "graph"] == len(steps), launches   # every row-planned step: none ran eagerly

@@ -58,8 +58,8 @@ def test_every_mixed_step_within_the_budget_has_a_graph_that_holds_it_with_bound
 def test_a_blend_graph_holds_a_row_planned_step_of_up_to_its_rows_prefills_and_decodes_and_no_more():
     """BlendGraphs.key_for at its limits: max_rows rows (decodes included) run and one more is refused, PREFILL_SEQS
     prefills run and one more is refused, as many decodes as the runner's sequences run and one more is refused, a
-    step with cascade groups or no row plan is refused, and max_rows 0 is off; each check layer's kept rows are
-    bucketed and never more than the rows before it."""
+    step with cascade groups takes the key it has without them, a step with no row plan is refused, and max_rows 0
+    is off; each check layer's kept rows are bucketed and never more than the rows before it."""
     from chunkwise.engine.blend_graphs import BlendGraphs
     from chunkwise.engine.row_plan import HostRows
 
@@ -84,8 +84,8 @@ def test_a_blend_graph_holds_a_row_planned_step_of_up_to_its_rows_prefills_and_d
         (r, _, _, kept) = graphs.key_for(step(rows, kept=(rows, max(1, rows // 2), 1)))
         assert r >= rows and r >= kept[0] >= kept[1] >= kept[2] >= 1
     cascade = step(40, decodes=2)
-    cascade.cascade = object()
-    assert graphs.key_for(cascade) is None
+    cascade.cascade = object()   # its decodes share splits: the graph reads them as split-KV does
+    assert graphs.key_for(cascade) == graphs.key_for(step(40, decodes=2)) is not None
     plain = step(40)
     plain.row_plan = None
     assert graphs.key_for(plain) is None

@@ -16,8 +16,9 @@ waits for the selection: only `kept`, the rows the last layer computed, is read 
 The K/V placement (`Model.place`, one launch per RoPE config) runs before the replay, outside the graph: its
 source and destination counts vary per step and a graph warm-up overwrites what it places. Keys are captured the
 first time they come, as tail graphs are. One device only (no tensor parallelism: `tensor_parallel_size > 1`
-refuses blending by name, chunkwise/engine/frontend.py), no cascade groups. In deterministic mode a replay gives
-the eager step's bits: a row's result depends on the padding around it only through torch's GEMM row counts.
+refuses blending by name, chunkwise/engine/frontend.py). Decodes beside the prefills read their splits as split-KV
+does, whether or not the step has cascade groups (cascade's bits are split-KV's). In deterministic mode a replay
+gives the eager step's bits: a row's result depends on the padding around it only through torch's GEMM row counts.
 """
 from __future__ import annotations
 
@@ -92,12 +93,12 @@ class BlendGraphs:
         self.pool = None
 
     def key_for(self, host: HostStep) -> Key | None:
-        """The key of the graph that holds a row-planned step, or None: off, more prefills than PREFILL_SEQS,
-        cascade groups, more rows than `max_rows`, more decodes than the runner's sequences, or places shared among
-        groups (the "adaptive" policy selects eagerly: `select_padded` has no groups)."""
+        """The key of the graph that holds a row-planned step, or None: off, more prefills than PREFILL_SEQS, more
+        rows than `max_rows`, more decodes than the runner's sequences, or places shared among groups (the
+        "adaptive" policy selects eagerly: `select_padded` has no groups). A step's cascade groups do not stop it:
+        the graph's decodes read their shared splits as split-KV does, which gives cascade's bits."""
         plan = host.row_plan
-        if (plan is None or not self.max_rows or host.cascade is not None or host.num_prefill > PREFILL_SEQS
-                or plan.groups is not None):
+        if plan is None or not self.max_rows or host.num_prefill > PREFILL_SEQS or plan.groups is not None:
             return None
         real = int(host.query_start_loc[-1])
         d = len(host.rows) - host.num_prefill

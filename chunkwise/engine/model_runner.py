@@ -92,9 +92,7 @@ class ModelRunner:
         then split-KV decodes.
 
         A decode goes through split-KV when its sequence holds more than split_kv_threshold tokens: a rule
-        on the sequence alone, so a token's path (and its bits) never depends on what else is batched. A
-        row-planned step's split-KV decodes take no cascade groups (cascade's bits are split-KV's): the blend
-        graphs, which hold such steps, have none.
+        on the sequence alone, so a token's path (and its bits) never depends on what else is batched.
         Returns the sequences that sample this step (the batch's `samples`), in logits-row order.
         """
         self.tables.apply(batch.page_changes)   # first, so a step failing below has still applied them
@@ -134,11 +132,10 @@ class ModelRunner:
             src = np.array([self.last_rows[s.seq_id] for s, p in zip(seqs, pending) if p], np.int64)
         except KeyError as exc:
             raise RuntimeError(f"sequence {exc} has a pending token the last launched step did not sample") from None
-        decodes = rows[len(prefill):], start[len(prefill):] + 1
         host = HostStep(ids=ids, positions=pos, slots=slots, logits_indices=(final - 1)[samples], rows=rows,
                         seq_lens=(start + n).astype(np.int32), query_start_loc=np.concatenate(
                             ([0], ends[:len(prefill)])).astype(np.int32), num_prefill=len(prefill),
-                        cascade=None if plan is not None else self._cascade(*decodes),
+                        cascade=self._cascade(rows[len(prefill):], start[len(prefill):] + 1),
                         pending=(ends - 1)[pending], pending_src=src, row_plan=plan,
                         needs_logits=any(s.sampling_params.needs_logits for s, _, keep, _ in entries if keep),
                         page_changes=batch.page_changes)
