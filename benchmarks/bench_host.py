@@ -149,14 +149,19 @@ def composed_engine(doc_len: int, num_docs: int = NUM_DOCS, per_request: int = P
     eng = ComposedHostEngine(ckpt, dtype="float32", max_model_len=prompt_len + 16, max_num_seqs=8,
                              max_num_batched_tokens=max(512, prompt_len), **kw)
     if staged:
-        graphs = eng.executor.runner.blend_graphs
-        graphs.max_rows = eng.engine_config.max_num_batched_tokens   # as the runner sets it where graphs are captured
-        graphs.replay = lambda host, key, table, last_tokens, place: graphs.static_forward(host, table, last_tokens,
-                                                                                            place)
+        stage_blend_graphs(eng)
     rng = random.Random(0)
     vocab = eng.model_config.vocab_size
     docs = [eng.register_chunk([rng.randrange(3, vocab) for _ in range(doc_len)], pin=True) for _ in range(num_docs)]
     return eng, docs
+
+
+def stage_blend_graphs(eng: Engine) -> None:
+    """Sends `eng`'s row-planned steps through its blend graphs' staging, as on a GPU, their forward run eagerly
+    over the static inputs where the graph would be replayed (no capture without CUDA)."""
+    graphs = eng.executor.runner.blend_graphs
+    graphs.max_rows = eng.engine_config.max_num_batched_tokens   # as the runner sets it where graphs are captured
+    graphs.replay = lambda host, key, table, last_tokens, place: graphs.static_forward(host, table, last_tokens, place)
 
 
 def composed_prompt(docs: list, rng: random.Random, mode, vocab: int, per_request: int = PER_REQUEST,

@@ -8,10 +8,11 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 import chunkwise.reference
+from benchmarks.bench_host import stage_blend_graphs
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from chunkwise.checkpoints import tiny_checkpoint
-from chunkwise.kernels import CascadeGroups
 from chunkwise.chunks import Blend
+from chunkwise.kernels import CascadeGroups
 from chunkwise.engine import Engine, SamplingParams
 
 pytestmark = pytest.mark.correctness
@@ -147,11 +148,8 @@ def test_a_blend_graph_holds_a_blended_step_whose_decodes_share_a_prefix_and_tok
     def blend_beside_decodes(cascade: bool):
         eng = Engine(ckpt, page_size=16, num_pages=256, max_model_len=MAX_MODEL_LEN, split_size=SPLIT,
                      split_kv_threshold=0, cascade_attention=cascade)
+        stage_blend_graphs(eng)
         runner = eng.executor.runner
-        graphs = runner.blend_graphs
-        graphs.max_rows = eng.engine_config.max_num_batched_tokens   # as the runner sets it where graphs are captured
-        graphs.replay = lambda host, key, table, last_tokens, place: graphs.static_forward(host, table, last_tokens,
-                                                                                            place)
         system = eng.register_chunk([(7 * i + 3) % (VOCAB - 3) + 3 for i in range(2 * SPLIT)], pin=True)
         docs = [eng.register_chunk([(13 * i + d) % (VOCAB - 3) + 3 for i in range(24)], pin=True) for d in range(2)]
         steps, prepare = [], runner.prepare
