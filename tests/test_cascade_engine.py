@@ -31,9 +31,14 @@ def ref(ckpt):
     return chunkwise.reference.Engine(ckpt, max_model_len=MAX_MODEL_LEN)
 
 
+def cascade_engine(ckpt, page_size: int, cascade: bool, **kw) -> Engine:
+    """An engine whose decodes all take split-KV over SPLIT-token splits, grouped when `cascade` is on."""
+    return Engine(ckpt, page_size=page_size, num_pages=256, max_model_len=MAX_MODEL_LEN, split_size=SPLIT,
+                  split_kv_threshold=0, cascade_attention=cascade, **kw)
+
+
 def run(ckpt, prompts, page_size, chunks, cascade):
-    eng = Engine(ckpt, page_size=page_size, num_pages=256, max_model_len=MAX_MODEL_LEN, split_size=SPLIT,
-                 split_kv_threshold=0, cascade_attention=cascade)
+    eng = cascade_engine(ckpt, page_size, cascade)
     grouped = []
     real = eng.executor.runner._cascade
 
@@ -96,9 +101,8 @@ def test_cascade_steps_over_the_graphs_static_inputs_equal_eager_and_split_kv_st
     base = [(7 * i + 3) % (VOCAB - 3) + 3 for i in range(shared)]
     prompts = [base + [(11 * j + 5 * i) % (VOCAB - 3) + 3 for i in range(t)] for j, t in enumerate(tails)]
     # Eager (no graphs to replace on a GPU): the static path runs by hand.
-    eng = Engine(ckpt, page_size=16, num_pages=256, max_model_len=MAX_MODEL_LEN, split_size=SPLIT,
-                 split_kv_threshold=0, cascade_attention=True, max_num_seqs=max_seqs, enforce_eager=True,
-                 async_scheduling=False)   # the schedule the row counts below are planned for, on any device
+    eng = cascade_engine(ckpt, 16, True, max_num_seqs=max_seqs, enforce_eager=True,
+                         async_scheduling=False)   # the schedule the row counts below are planned for, on any device
     runner = eng.executor.runner
     graphs = runner.graphs
     graphs.allocate(max_seqs)
@@ -146,8 +150,7 @@ def test_a_blend_graph_holds_a_blended_step_whose_decodes_share_a_prefix_and_tok
     decodes read their splits as split-KV does, so every request's tokens equal those of the same run with cascade
     off."""
     def blend_beside_decodes(cascade: bool):
-        eng = Engine(ckpt, page_size=16, num_pages=256, max_model_len=MAX_MODEL_LEN, split_size=SPLIT,
-                     split_kv_threshold=0, cascade_attention=cascade)
+        eng = cascade_engine(ckpt, 16, cascade)
         stage_blend_graphs(eng)
         runner = eng.executor.runner
         system = eng.register_chunk([(7 * i + 3) % (VOCAB - 3) + 3 for i in range(2 * SPLIT)], pin=True)
