@@ -88,3 +88,48 @@ def test_results_are_bitwise_those_of_the_unpatched_interpreter(monkeypatch):
     monkeypatch.setattr(interpreter, "_patch_lang", cell.cell_contents)   # Triton's own, patching every call
     slow, _ = _run(5, torch.Generator().manual_seed(2))
     assert torch.equal(fast, slow)
+
+
+
+def replaced_after_the_walk(pkg) -> set[str]:
+    """Names Triton's launch patch sets again after its walk of the builtins (`_patch_lang_core`'s)."""
+    from triton.runtime import interpreter
+
+    if pkg not in (tl, tl.core):
+        return set()
+    scope = interpreter._LangPatchScope()
+    try:
+        interpreter._patch_lang_core(pkg, scope)
+        return {name for obj, name, _ in scope._changes if obj is pkg}
+    finally:
+        scope.restore()
+
+
+def test_a_launchs_patch_sets_the_builtins_tritons_walk_finds_and_dtypes_map_as_tritons_table():
+    """The builtins read once, before any launch, cover what Triton's own walk of each module finds now, and each
+    other name they patch holds a patch Triton left behind (a helper's, never restored) of the same builtin; the
+    kept numpy dtypes are Triton's table's."""
+    import inspect
+
+    from triton.runtime import interpreter
+
+    assert speed_up()
+    _run(1, torch.Generator().manual_seed(3))   # launches and helpers have patched the modules since the read
+    for pkg in (tl, tl.core, tl.tensor, tl.math):
+        walked = {name for name, member in inspect.getmembers(pkg) if tl.core.is_builtin(member)}
+        scope = interpreter._LangPatchScope()
+        try:
+            interpreter._patch_builtin(pkg, interpreter.interpreter_builder, scope)
+            patched = {name: (before, getattr(pkg, name).__kwdefaults__["member"])
+                       for obj, name, before in scope._changes if obj is pkg}
+        finally:
+            scope.restore()
+        assert walked and walked <= patched.keys(), (pkg, sorted(walked - patched.keys()))
+        for name, (before, member) in patched.items():
+            assert (tl.core.is_builtin(before) or name in replaced_after_the_walk(pkg)
+                    or before.__kwdefaults__["member"] is member), (pkg, name)
+    original = next(c.cell_contents for c in interpreter._get_np_dtype.__closure__
+                    if getattr(c.cell_contents, "__name__", None) == "_get_np_dtype")
+    for dtype in (tl.float32, tl.bfloat16, tl.float16, tl.int1, tl.int32, tl.int64, tl.uint16,
+                  tl.pointer_type(tl.float32)):
+        assert interpreter._get_np_dtype(dtype) == original(dtype) == interpreter._get_np_dtype(dtype), dtype
