@@ -19,9 +19,11 @@ pytestmark = [pytest.mark.correctness,
 
 ROOT = Path(__file__).resolve().parent.parent
 # OpenBLAS core type -> the /proc/cpuinfo flag its kernels need (forcing it without the flag is SIGILL).
-CORE_TYPES = {"Haswell": "avx2", "SkylakeX": "avx512f", "SandyBridge": "avx", "Prescott": "pni"}
+# Haswell's kernel is the one that rounded by row position; SkylakeX's is what AVX-512 hosts pick. (SandyBridge's and
+# Prescott's, older x86 kernels, passed too: dropped to keep CI within its 15 minutes.)
+CORE_TYPES = {"Haswell": "avx2", "SkylakeX": "avx512f"}
 
-# The pinned cases, then the chunking property with three examples (ci runs 30; four interpreter runs here must
+# The pinned cases, then the chunking property with one example (ci draws 10; each interpreter run here must
 # stay cheap). Split-KV decode is left out: its rows are the heads of one KV head, each always in the same row,
 # so a BLAS that rounds by row position cannot change its bits.
 SCRIPT = """
