@@ -7,6 +7,8 @@ same process, same prompts (GPU; issues #28 §5, #49 §3).
 With CHUNKWISE_BENCH_BREAKDOWN=1 the ttft case then runs one more request per mode under StepTimer (the device
 synchronised after each forward) and the torch profiler: where its time goes, per step and phase, how much of it
 the GPU was busy (the union of its kernels' intervals) in how many kernels, and the kernels that took the most.
+With BENCH_BLEND_SPEED_BACKEND=fa3 both engines take attention_backend="fa3" (vLLM's FlashAttention-3 for plain
+prefill rows, where it is installed; a blend's rows at explicit positions keep chunkwise's kernel).
 With BENCH_BLEND_SPEED_JSON set, every case's results so far ({case: {mode: metrics}}) are written there after each
 case (benchmarks/bench_blend_quality.py --speed-json reads its TTFTs).
 
@@ -61,6 +63,7 @@ RAG2_REQUESTS, RAG2_DOCS, RAG2_DOC_LEN, RAG2_PER_REQUEST = 256, 40, 1024, 8
 RAG2_SYSTEM_LEN, RAG2_QUESTION_LEN, RAG2_OUTPUT, RAG2_BUDGET, RAG2_ROUND = 512, 32, 16, 8192, 128
 RAG2_WARM_ROUNDS = 3   # at most, per mode: a blend's graphs are keyed by its steps' row counts
 BREAKDOWN = os.environ.get("CHUNKWISE_BENCH_BREAKDOWN") == "1"
+BACKEND = os.environ.get("BENCH_BLEND_SPEED_BACKEND", "triton")   # EngineConfig.attention_backend of both engines
 MEMORY_SHARE = 0.45   # of the GPU for the first engine: the prefill-bound RAG's, alive beside it, fills up to 0.9
 RESULTS: dict[str, dict] = {}
 
@@ -68,7 +71,8 @@ RESULTS: dict[str, dict] = {}
 @pytest.fixture(scope="module")
 def setup(ckpt):
     eng = Engine(ckpt, dtype="bfloat16", max_model_len=TTFT_DOCS * DOC_LEN + QUESTION_LEN + RAG_OUTPUT + 16,
-                 max_num_batched_tokens=8192, max_num_seqs=256, gpu_memory_utilization=MEMORY_SHARE)
+                 max_num_batched_tokens=8192, max_num_seqs=256, gpu_memory_utilization=MEMORY_SHARE,
+                 attention_backend=BACKEND)
     rng = random.Random(0)
     vocab = QWEN3_0_6B_SHAPE["vocab_size"]
     docs = [eng.register_chunk([rng.randrange(3, vocab) for _ in range(DOC_LEN)], pin=True) for _ in range(NUM_DOCS)]
@@ -248,7 +252,8 @@ def test_rag_workload_throughput(benchmark, setup, ceilings, ckpt):
 def rag2(ckpt):
     """An engine for the prefill-bound RAG workload, with its pinned system chunk and 40 pinned documents."""
     eng = Engine(ckpt, dtype="bfloat16", max_num_batched_tokens=RAG2_BUDGET, max_num_seqs=RAG2_ROUND,
-                 max_model_len=RAG2_SYSTEM_LEN + RAG2_PER_REQUEST * RAG2_DOC_LEN + RAG2_QUESTION_LEN + RAG2_OUTPUT + 16)
+                 max_model_len=RAG2_SYSTEM_LEN + RAG2_PER_REQUEST * RAG2_DOC_LEN + RAG2_QUESTION_LEN + RAG2_OUTPUT + 16,
+                 attention_backend=BACKEND)
     rng = random.Random(1)
     vocab = QWEN3_0_6B_SHAPE["vocab_size"]
     system = eng.register_chunk([rng.randrange(3, vocab) for _ in range(RAG2_SYSTEM_LEN)], pin=True)
