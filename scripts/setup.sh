@@ -7,5 +7,6 @@ cd "$(dirname "$0")/.."
 python -m pip install -q --upgrade pip
 # The CPU wheel of torch first (it lies on these machines): an unpinned torch would pull the newest
 # CUDA build, several GB. On a machine with a CUDA torch already in the venv, this step is skipped.
-python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
-python -m pip install -q -e ".[test,real,bench]"
+# --no-compile: no bytecode for the thousands of modules nothing imports (Python compiles what it imports, once).
+python -c "import torch" 2>/dev/null || python -m pip install -q --no-compile torch==2.13.0
+python -m pip install -q --no-compile -e ".[test,real,bench]"

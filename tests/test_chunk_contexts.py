@@ -156,7 +156,7 @@ def ref(reference_engine):
     return reference_engine("qwen3")
 
 
-@settings(max_examples=3, deadline=None)   # a few seconds an example on one core; the @examples pin the edges
+@settings(max_examples=max(1, settings().max_examples // 5), deadline=None)   # seconds each on one core; the @examples pin the edges
 @given(s=scenarios())
 @example(s=dict(page_size=4, context=7, lengths=[9, 6], after=[True, True], pins=[True, False], context_as_chunk=False,
                 requests=[(True, (0, 1), 2), (True, (1, 0), 0), (False, (0,), 1)], extra_pages=0, seed=1))

@@ -39,10 +39,10 @@ MAX_MODEL_LEN = 320
 KV_TILE = 64
 QUERY_BLOCKS = [KV_TILE // group for group in (1, 2, 3)]
 SPLIT_SIZES = [None, 64, 128]          # None: the engine's default (512: one split at these lengths)
-# Examples per property scale with the profile (ci 10, dev 25, thorough 300): the main parity property
-# runs three times the profile's count besides its eight pinned edges, the narrower ones two or three times.
-EXAMPLES = 3 * settings().max_examples
-NARROW_EXAMPLES = 3 * settings().max_examples
+# Examples per property scale with the profile (ci 5, dev 25, thorough 300): the main parity property
+# runs twice the profile's count besides its eight pinned edges, the narrower ones half of it to twice it.
+EXAMPLES = 2 * settings().max_examples
+NARROW_EXAMPLES = 2 * settings().max_examples
 
 
 @dataclass(frozen=True)
