@@ -6,7 +6,8 @@ pass against the context split across programs, per tile height, time per layer 
 Qwen3-0.6B's attention shape (16 q / 8 KV heads of 128), bf16, pages of 16, one sequence of 4,160 tokens (8
 documents of 512 and a 64-token question, benchmarks/bench_blend_speed.py's composed request): the rows a blend
 computes after its check layers (a random share r of the 3,584 candidate rows, the question's 64 always), and
-chunk-heads' (the first rows of each document after the first, and the question). Medians of CUDA-graph replays
+chunk-heads' (the first rows of each document after the first, and the question), and each count again as the
+context's last rows (contiguous). Medians of CUDA-graph replays
 (triton.testing.do_bench_cudagraph) after a warm-up that compiles every variant; the roofline is the causal
 products' FLOPs (each row over the keys at or before it) at the measured paged FA3 rate (HOPPER.md: ~500 TFLOP/s)."""
 import argparse
@@ -39,6 +40,10 @@ def patterns(gen: torch.Generator) -> dict[str, torch.Tensor]:
     heads = round(0.15 * DOC)
     out["chunk-heads r=0.15"] = torch.cat([torch.arange(d * DOC, d * DOC + heads) for d in range(1, DOCS)]
                                           + [question])
+    # The same row counts as one contiguous run at the context's end (a chunk after a cached prefix): what the
+    # counts cost when nothing is scattered.
+    for n in sorted(len(p) for name, p in out.items() if name.startswith("kv-deviation")):
+        out[f"contiguous, last {n}"] = torch.arange(CTX - n, CTX)
     return out
 
 
