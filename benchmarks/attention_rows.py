@@ -2,6 +2,7 @@
 programs, time per layer (GPU).
 
     python -m benchmarks.attention_rows [--out FILE.json] [--min-table 32768]
+    python -m benchmarks.attention_rows --chunks 640,768,1024 --contexts 2048,8192 --splits 512,2048
 
 Qwen3-0.6B's attention shape (16 q / 8 KV heads of 128), bf16, pages of 16, one sequence: a chunk of 64..2048
 new tokens ending at 512..8192 tokens of context, as a serving step's prefill is. In one pass such a chunk fills
@@ -36,13 +37,21 @@ def main():
     ap.add_argument("--out", help="also write the rows as JSON here")
     ap.add_argument("--min-table", type=int, default=0, help="only the cases whose page tables span this many "
                     "positions or more (32768: the wide-table cases alone)")
+    ap.add_argument("--chunks", help="comma-separated chunk lengths instead of the default cases (each ending at "
+                    "each of --contexts positions)")
+    ap.add_argument("--contexts", default="2048,4096,8192,16384", help="with --chunks: the contexts")
+    ap.add_argument("--splits", help="comma-separated split sizes instead of %s" % ",".join(map(str, SPLITS)))
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
-    variants = [(s, r) for s in SPLITS for r in (256, 128)]
+    splits = tuple(int(s) for s in args.splits.split(",")) if args.splits else SPLITS
+    cases = CASES if not args.chunks else [
+        (ctx, chunk, ctx) for ctx in map(int, args.contexts.split(",")) for chunk in map(int, args.chunks.split(","))
+        if chunk <= ctx]
+    variants = [(s, r) for s in splits for r in (256, 128)]
     print(f"{'ctx':>5} {'chunk':>5} {'one pass us':>11} " + " ".join(f"{f's{s}/{r} us':>11}" for s, r in variants)
           + "  best ratio", flush=True)
-    for ctx, chunk, width in (c for c in CASES if c[2] >= args.min_table):
+    for ctx, chunk, width in (c for c in cases if c[2] >= args.min_table):
         cache = paginate([random_kv(ctx, KV, D, torch.bfloat16, gen, "cuda")], 16, gen,
                          extra_table_cols=1 + (width - ctx) // 16)
         q = torch.randn(chunk, H, D, generator=gen).to(torch.bfloat16).cuda()
