@@ -17,7 +17,7 @@ _BENCHMARKS_DESELECTED = pytest.StashKey[int]()
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 # ci: derandomized and bounded so the suite fits CI's 15 minutes on 2 cores; tests scale it with their own
 # max_examples. Every property's @examples run besides the draws (and alone under scripts/mutants.py).
-settings.register_profile("ci", derandomize=True, max_examples=5, print_blob=True, **_common)
+settings.register_profile("ci", derandomize=True, max_examples=4, print_blob=True, **_common)
 settings.register_profile("dev", max_examples=25, **_common)
 settings.register_profile("thorough", max_examples=300, **_common)
 settings.load_profile(os.environ.get("CHUNKWISE_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))

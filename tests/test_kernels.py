@@ -17,7 +17,7 @@ from chunkwise.kernels.paged_attention import paged_split_workspace
 from chunkwise.kernels.testing import DTYPES, TOLERANCE, paginate, query_start_loc, random_kv, rising_scores
 
 pytestmark = pytest.mark.correctness
-# The properties worth most examples get twice the profile's count (ci: 10, thorough: 600).
+# The properties worth most examples get twice the profile's count (ci: 8, thorough: 600).
 MORE = settings(max_examples=2 * settings.default.max_examples)   # the @examples and pinned cases carry the edges
 
 # (num_heads, num_kv_heads): MHA, GQA (incl. Qwen2.5-0.5B's 14/2), MQA (incl. an odd group of 5).

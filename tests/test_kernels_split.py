@@ -9,7 +9,7 @@ from chunkwise.kernels.split_kv import num_splits_for, split_workspace
 from chunkwise.kernels.testing import DTYPES, TOLERANCE, paginate, query_start_loc, random_kv, rising_scores
 
 pytestmark = pytest.mark.correctness
-# The properties worth most examples get twice the profile's count (ci: 10, thorough: 600).
+# The properties worth most examples get twice the profile's count (ci: 8, thorough: 600).
 MORE = settings(max_examples=2 * settings.default.max_examples)   # the @examples and pinned cases carry the edges
 
 HEADS = [(4, 4), (8, 2), (14, 2), (4, 1), (5, 1)]

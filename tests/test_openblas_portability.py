@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Prescott's, older x86 kernels, passed too: dropped to keep CI within its 15 minutes.)
 CORE_TYPES = {"Haswell": "avx2", "SkylakeX": "avx512f"}
 
-# The pinned cases, then the chunking property with one example (ci draws 10; each interpreter run here must
+# The pinned cases, then the chunking property with one example (ci draws 8; each interpreter run here must
 # stay cheap). Split-KV decode is left out: its rows are the heads of one KV head, each always in the same row,
 # so a BLAS that rounds by row position cannot change its bits.
 SCRIPT = """

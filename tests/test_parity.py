@@ -39,7 +39,7 @@ MAX_MODEL_LEN = 320
 KV_TILE = 64
 QUERY_BLOCKS = [KV_TILE // group for group in (1, 2, 3)]
 SPLIT_SIZES = [None, 64, 128]          # None: the engine's default (512: one split at these lengths)
-# Examples per property scale with the profile (ci 5, dev 25, thorough 300): the main parity property
+# Examples per property scale with the profile (ci 4, dev 25, thorough 300): the main parity property
 # runs twice the profile's count besides its eight pinned edges, the narrower ones half of it to twice it.
 EXAMPLES = 2 * settings().max_examples
 NARROW_EXAMPLES = 2 * settings().max_examples
