@@ -321,8 +321,8 @@ MUTANTS = [
            "the interpreter's dot splits even and odd k only where the tile's own products pass Triton's cap: a "
            "128-row tile sums a row otherwise than a 16-row one, so the CPU suite would see the tile in a row's bits"),
     Mutant("interpreter_keeps_public_builtins_only", "chunkwise/kernels/interpreter.py::_keep_lookups",
-           "if tl.core.is_builtin(member)])",
-           "if tl.core.is_builtin(member) and not name.startswith('_')])",
+           "            if tl.core.is_builtin(member):\n",
+           "            if tl.core.is_builtin(member) and not name.startswith('_'):\n",
            "the builtins kept for the interpreter's patch leave out the private ones (`_reduce_with_indices`...), "
            "so a launch would run them with the compiler's semantics"),
     Mutant("host_cdiv_floors", "chunkwise/kernels/tiling.py::cdiv",

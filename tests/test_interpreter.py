@@ -2,6 +2,8 @@
 call, and computes exactly what it computed before."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import triton
@@ -90,7 +92,6 @@ def test_results_are_bitwise_those_of_the_unpatched_interpreter(monkeypatch):
     assert torch.equal(fast, slow)
 
 
-
 def replaced_after_the_walk(pkg) -> set[str]:
     """Names Triton's launch patch sets again after its walk of the builtins (`_patch_lang_core`'s)."""
     from triton.runtime import interpreter
@@ -109,8 +110,6 @@ def test_a_launchs_patch_sets_the_builtins_tritons_walk_finds_and_dtypes_map_as_
     """The builtins read once, before any launch, cover what Triton's own walk of each module finds now, and each
     other name they patch holds a patch Triton left behind (a helper's, never restored) of the same builtin; the
     kept numpy dtypes are Triton's table's."""
-    import inspect
-
     from triton.runtime import interpreter
 
     assert speed_up()

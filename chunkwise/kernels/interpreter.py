@@ -10,9 +10,9 @@ modules (Triton's own helpers such as `tl.sum` patch `triton.language.core` once
 themselves patch and restore as before. If this Triton has no such internals, nothing is
 changed.
 
-Two more of the interpreter's per-call costs are lookups it redoes: each launch's patch walks the language modules
-with `inspect.getmembers` to find their builtins again (the same ones every time: they are read once, before any
-launch has patched them), and every op rebuilds the table from Triton dtypes to numpy dtypes (`_get_np_dtype`,
+Two more of the interpreter's per-call costs are work it redoes: each launch's patch walks the language modules
+with `inspect.getmembers` to find their builtins again and wraps each anew (the same ones every time: they are read
+and wrapped once, before any launch has patched them), and every op rebuilds the table from Triton dtypes to numpy dtypes (`_get_np_dtype`,
 whose answers are kept per dtype). Profiled on the parity property's engine steps, the two were about a tenth of
 the time.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from types import SimpleNamespace
 
 
 def speed_up() -> bool:
@@ -66,26 +67,35 @@ def speed_up() -> bool:
 
 
 def _keep_lookups(interpreter) -> None:
-    """Builtins found once per language module, and numpy dtypes once per Triton dtype (module docstring)."""
+    """Builtins' patches built once per language module, and numpy dtypes kept per Triton dtype (module
+    docstring)."""
     patch_builtin, np_dtype = getattr(interpreter, "_patch_builtin", None), getattr(interpreter, "_get_np_dtype", None)
     if patch_builtin is None or np_dtype is None or not hasattr(interpreter, "_patch_attr"):
         return
     tl = interpreter.tl
-    # Read now, before any launch patched them: a patched member is no longer a builtin.
-    builtins = {id(pkg): (pkg, [(name, member) for name, member in inspect.getmembers(pkg)
-                                if tl.core.is_builtin(member)])
-                for pkg in (tl, tl.core, tl.tensor, tl.math, getattr(tl.core, "tensor_descriptor_base", tl))}
+    # Read now, before any launch patched them (a patched member is no longer a builtin); Triton's own _patch_attr
+    # builds each wrapper, recorded here instead of set, then set by every launch's patch.
+    pkgs = [tl, tl.core, tl.tensor, tl.math]
+    if hasattr(tl.core, "tensor_descriptor_base"):
+        pkgs.append(tl.core.tensor_descriptor_base)
+    wrappers = {}
+    for pkg in pkgs:
+        kept = wrappers[pkg] = []
+        recorder = SimpleNamespace(set_attr=lambda obj, name, value, kept=kept: kept.append((name, value)))
+        for name, member in inspect.getmembers(pkg):
+            if tl.core.is_builtin(member):
+                interpreter._patch_attr(pkg, name, member, None, recorder)
 
-    def cached_patch_builtin(pkg, builder, scope):
-        kept = builtins.get(id(pkg))
-        if kept is None or kept[0] is not pkg:
+    def kept_patch_builtin(pkg, builder, scope):
+        kept = wrappers.get(pkg)
+        if kept is None:
             return patch_builtin(pkg, builder, scope)
-        for name, member in kept[1]:
-            interpreter._patch_attr(pkg, name, member, builder, scope)
+        for name, wrapper in kept:
+            scope.set_attr(pkg, name, wrapper)
 
     dtypes = {}
 
-    def cached_np_dtype(tt_dtype):
+    def kept_np_dtype(tt_dtype):
         try:
             return dtypes[tt_dtype]
         except KeyError:
@@ -94,5 +104,5 @@ def _keep_lookups(interpreter) -> None:
         except TypeError:   # unhashable: not a dtype this table holds
             return np_dtype(tt_dtype)
 
-    interpreter._patch_builtin = cached_patch_builtin
-    interpreter._get_np_dtype = cached_np_dtype
+    interpreter._patch_builtin = kept_patch_builtin
+    interpreter._get_np_dtype = kept_np_dtype
