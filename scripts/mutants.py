@@ -347,6 +347,10 @@ MUTANTS = [
            "        if ids is not None:\n",
            "a composite prompt's id array is sliced past its end: generated tokens go missing from the pool's page "
            "bytes and the runner's step ids"),
+    Mutant("retired_mutants_keep_their_kills", "scripts/mutants.py::record_kills",
+           "    kills = {name: test for name, test in load_kills().items() if name in catalogued}\n",
+           "    kills = load_kills()\n",
+           "a retired mutant's recorded killer stays in mutant_kills.json for ever, a kill of a bug no longer planted"),
     Mutant("recorded_killer_base_name_not_matched", "scripts/mutants.py::order_named_first",
            'if item.nodeid in first or item.nodeid.split("[")[0] in first',
            "if item.nodeid in first",
@@ -1833,8 +1837,10 @@ def load_kills() -> dict[str, str]:
 
 
 def record_kills(results: list) -> None:
-    """Each killed mutant's first failing test into KILLS (kept for the mutants not run)."""
-    kills = load_kills()
+    """Each killed mutant's first failing test into KILLS (kept for the mutants not run; a name the catalogue no
+    longer holds is dropped)."""
+    catalogued = {m.name for m in MUTANTS}
+    kills = {name: test for name, test in load_kills().items() if name in catalogued}
     kills.update({r.mutant.name: r.first_failure for r in results if r.verdict == "killed"})
     KILLS.write_text(json.dumps(dict(sorted(kills.items())), indent=0) + "\n")
 

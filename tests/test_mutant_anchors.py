@@ -230,7 +230,8 @@ def test_a_mutant_is_named_by_its_function_its_kernels_launcher_its_class_or_its
 
 def test_the_test_that_killed_a_mutant_last_runs_first_then_the_named_ones(monkeypatch, tmp_path):
     """order_named_first with the recorded killer (CHUNKWISE_MUTANT_FIRST, node ids one a line), and record_kills
-    keeping a killed mutant's first failing test for the next run beside the entries of mutants not run."""
+    keeping a killed mutant's first failing test for the next run beside the entries of mutants not run, and
+    dropping the entries of names the catalogue no longer holds."""
     order = _named_first(monkeypatch, "tile_config", "tests/t.py::killer[a-1]\ntests/t.py::gone\ntests/t.py::base")
     other, named, killer, last = (_Item(_calls_other), _Item(_calls_tile_config),
                                   _Item(_calls_nothing, "tests/t.py::killer[a-1]"), _Item(len))
@@ -240,11 +241,12 @@ def test_the_test_that_killed_a_mutant_last_runs_first_then_the_named_ones(monke
     assert items == [case, killer, named, other, near, last]   # a base name takes each of its cases, only its own
 
     monkeypatch.setattr(mutants, "KILLS", tmp_path / "kills.json")
-    (tmp_path / "kills.json").write_text('{"old": "tests/a.py::t", "m": "tests/b.py::was"}')
+    old = mutants.MUTANTS[0].name   # catalogued, not run this time
+    (tmp_path / "kills.json").write_text(f'{{"{old}": "tests/a.py::t", "m": "tests/b.py::was", "retired": "tests/c.py"}}')
     m, n = Mutant("m", "a.py::f", "x", "y", "bug"), Mutant("n", "a.py::f", "x", "y", "bug")
     mutants.record_kills([mutants.Result(m, "killed", "tests/b.py::now", 1.0, ""),
                           mutants.Result(n, "SURVIVED", "", 1.0, "")])
-    assert mutants.load_kills() == {"m": "tests/b.py::now", "old": "tests/a.py::t"}
+    assert mutants.load_kills() == {"m": "tests/b.py::now", old: "tests/a.py::t"}
 
 
 def test_the_smoke_tier_runs_first_then_the_heaviest_tests_longest_first_then_the_rest_in_order():
@@ -265,3 +267,4 @@ def test_a_failed_node_id_is_read_whole_even_with_spaces_in_its_parameters():
     out = ("FAILED tests/t.py::test_a[blend r=0.15, staged] - AssertionError: x - y\n"
            "ERROR tests/u.py - ImportError\nFAILED tests/t.py::test_b\n")
     assert mutants.failed_nodes(out) == ["tests/t.py::test_a[blend r=0.15, staged]", "tests/u.py", "tests/t.py::test_b"]
+

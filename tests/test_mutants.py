@@ -297,3 +297,11 @@ def test_every_smoke_entry_names_a_test_that_exists():
         assert (ROOT / path).is_file(), entry
         assert not name or f"def {name}(" in (ROOT / path).read_text(), f"{entry}: no such test"
 
+
+def test_recorded_kills_name_exactly_the_catalogue():
+    """mutant_kills.json holds one killer, a test file that exists, for each catalogued mutant and for nothing else
+    (a new mutant is run before it is committed)."""
+    kills = mutants.load_kills()
+    assert set(kills) == {m.name for m in MUTANTS}, sorted(set(kills) ^ {m.name for m in MUTANTS})
+    assert all((ROOT / test.split("::")[0]).is_file() for test in kills.values())
+
