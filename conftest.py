@@ -12,15 +12,18 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+from tests.draws import PROFILE  # noqa: E402
+
 _BENCHMARKS_DESELECTED = pytest.StashKey[int]()
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 # ci: derandomized and bounded so the suite fits CI's 15 minutes on 2 cores; tests scale it with their own
-# max_examples. Every property's @examples run besides the draws (and alone under scripts/mutants.py).
+# max_examples, and properties whose examples take seconds run their @examples alone there (tests/draws.py's
+# `costly`). Every property's @examples run besides the draws (and alone under scripts/mutants.py).
 settings.register_profile("ci", derandomize=True, max_examples=4, print_blob=True, **_common)
 settings.register_profile("dev", max_examples=25, **_common)
 settings.register_profile("thorough", max_examples=300, **_common)
-settings.load_profile(os.environ.get("CHUNKWISE_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+settings.load_profile(PROFILE)
 
 
 @pytest.fixture(scope="session")

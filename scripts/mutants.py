@@ -70,6 +70,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # define (CI runs the blocks themselves: tests/test_readme.py).
 SELECTION = [
     "tests/test_mutant_anchors.py",
+    "tests/test_draws.py",   # the ci profile's costly properties: their @examples alone
     "tests/test_config.py",
     "tests/test_sampling.py",
     "tests/test_checkpoints.py",
@@ -320,6 +321,16 @@ MUTANTS = [
            "            c = tl.sum(a[:, None, :] * bt[None, :, :], 2)\n",
            "the interpreter's dot splits even and odd k only where the tile's own products pass Triton's cap: a "
            "128-row tile sums a row otherwise than a 16-row one, so the CPU suite would see the tile in a row's bits"),
+    Mutant("costly_properties_draw_in_ci", "tests/draws.py::costly",
+           '        if PROFILE == "ci":\n',
+           '        if PROFILE == "thorough":\n',
+           "CI's costly properties draw their profile's examples beside their @examples again: the suite's time "
+           "outgrows CI's 15 minutes on 2 cores, with no recorded kill gained (the catalogue's kills run @examples)"),
+    Mutant("costly_property_without_examples_runs_nothing_in_ci", "tests/draws.py::costly",
+           "        if not explicit_examples(test):\n",
+           "        if False:\n",
+           "a costly property with no @example is accepted, so under the ci profile it runs no example at all "
+           "and passes"),
     Mutant("interpreter_keeps_public_builtins_only", "chunkwise/kernels/interpreter.py::_keep_lookups",
            "            if tl.core.is_builtin(member):\n",
            "            if tl.core.is_builtin(member) and not name.startswith('_'):\n",

@@ -7,6 +7,7 @@ from hypothesis import event, example, given, note, settings, strategies as st
 
 from chunkwise.checkpoints import tiny_checkpoint
 from chunkwise.engine import Engine, SamplingParams
+from tests.draws import costly
 
 # Shared heads (pages of 2 tokens) for prefix-cache hits; the longest needs 7 of the pool's 10 pages, so
 # two or three requests at once preempt.
@@ -72,7 +73,7 @@ def drive(engine, specs, solo):
     return [(outputs[k], streamed[k]) for k in range(len(specs))]
 
 
-@settings(max_examples=max(2, settings().max_examples // 5))
+@costly(max_examples=max(2, settings().max_examples // 5))
 @given(st.lists(requests(), min_size=1, max_size=3))
 # Preemption in the 10-page pool (both modes); request 0 stops on its 3rd token while its next step runs (a
 # wasted token under overlap), request 1 is aborted mid-flight, request 2 asks for logprobs and arrives late

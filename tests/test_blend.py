@@ -25,6 +25,7 @@ from chunkwise.engine.blend import check_ratios, num_kept
 from chunkwise.reference import Engine as RefEngine
 from chunkwise.reference.model import rotate
 from blend_parity import blends_equal
+from tests.draws import costly
 
 pytestmark = pytest.mark.correctness
 
@@ -89,7 +90,7 @@ def build(eng: Engine, lengths, layout, seed) -> list:
 POLICIES = ["kv-deviation", "chunk-heads", "adaptive"]
 
 
-@settings(max_examples=max(1, settings().max_examples // 5))   # a pinned composition besides: ~10 s an example on one core
+@costly(max_examples=max(1, settings().max_examples // 5))   # a pinned composition besides: ~10 s an example on one core
 @example(family="llama", page_size=3, comp=((13, 9, 17), [("chunk", 1), ("text", [5, 6]), ("chunk", 0), ("chunk", 2)]),
          policy="adaptive", seed=5)
 @given(family=st.sampled_from(FAMILIES), page_size=st.sampled_from([1, 2, 3, 4, 8]), comp=compositions(),
@@ -112,7 +113,7 @@ def test_blend_at_ratio_one_is_bitwise_exact_mode_in_deterministic_mode(tiny_ckp
 PINNED_LAYOUT = ((13, 9, 17), [("chunk", 1), ("text", [5, 6]), ("chunk", 0), ("chunk", 2), ("text", [7, 8, 9])])
 
 
-@settings(max_examples=max(2, settings().max_examples // 3))   # seven pinned cases carry the edges: every policy, page size 1, the window
+@costly(max_examples=max(2, settings().max_examples // 3))   # seven pinned cases carry the edges: every policy, page size 1, the window
 @example(family="qwen3", page_size=4, comp=PINNED_LAYOUT, blend=Blend(0.3, "chunk-heads"), seed=1)
 @example(family="llama", page_size=2, comp=PINNED_LAYOUT, blend=Blend(0.3), seed=2)
 @example(family="gemma3_text", page_size=1, comp=PINNED_LAYOUT, blend=Blend(0.1), seed=3)

@@ -14,6 +14,7 @@ from chunkwise.checkpoints import tiny_checkpoint
 from chunkwise.chunks import Blend
 from chunkwise.kernels import CascadeGroups
 from chunkwise.engine import Engine, SamplingParams
+from tests.draws import costly
 
 pytestmark = pytest.mark.correctness
 SPLIT = 64          # small splits: a prefix of a few hundred tokens spans several
@@ -66,7 +67,7 @@ def run(ckpt, prompts, page_size, chunks, cascade):
         eng.executor.runner.launches
 
 
-@settings(max_examples=max(1, settings().max_examples // 10))   # ci: 1 drawn besides the pinned ones
+@costly(max_examples=max(1, settings().max_examples // 10))
 @example(shared=2 * SPLIT, tails=(1, 9, 30), page_size=16, chunk=None)        # prefix ends on a split boundary
 @example(shared=2 * SPLIT + 37, tails=(5, 5, 12), page_size=5, chunk=50)      # inside a split, odd pages
 @given(shared=st.integers(SPLIT - 10, 3 * SPLIT), tails=st.lists(st.integers(1, 40), min_size=2, max_size=4),

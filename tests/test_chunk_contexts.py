@@ -28,6 +28,7 @@ from chunkwise.engine import Engine, SamplingParams
 from chunkwise.reference import Engine as RefEngine
 from chunkwise.reference.model import rotate
 from blend_parity import blends_equal
+from tests.draws import costly
 
 pytestmark = pytest.mark.correctness
 
@@ -156,7 +157,7 @@ def ref(reference_engine):
     return reference_engine("qwen3")
 
 
-@settings(max_examples=max(1, settings().max_examples // 5), deadline=None)   # seconds each on one core; the @examples pin the edges
+@costly(max_examples=max(1, settings().max_examples // 5), deadline=None)   # seconds each on one core; the @examples pin the edges
 @given(s=scenarios())
 @example(s=dict(page_size=4, context=7, lengths=[9, 6], after=[True, True], pins=[True, False], context_as_chunk=False,
                 requests=[(True, (0, 1), 2), (True, (1, 0), 0), (False, (0,), 1)], extra_pages=0, seed=1))
@@ -214,7 +215,7 @@ def blend_cases():
                      st.permutations(range(3)), st.integers(1, 9), st.integers(0, 999))
 
 
-@settings(max_examples=max(1, settings().max_examples // 5), deadline=None)   # ~7 s an example on one core
+@costly(max_examples=max(1, settings().max_examples // 5), deadline=None)   # ~7 s an example on one core
 @given(case=blend_cases())
 @example(case=(("qwen3", 4), Blend(0.15), (2, 0, 1), 6, 1))
 @example(case=(("gemma3_text", 3), Blend(0.3, "chunk-heads"), (0, 1, 2), 5, 2))

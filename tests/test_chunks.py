@@ -21,6 +21,7 @@ from chunkwise.chunks import DEFAULT_BLEND, Blend, Chunk, ChunkReuse, blend_para
 from chunkwise.engine import Engine, SamplingParams
 from chunkwise.engine_config import EngineConfig
 from chunkwise.requests import validate_requests
+from tests.draws import costly
 
 pytestmark = pytest.mark.correctness
 
@@ -218,7 +219,7 @@ def run_and_check(eng, ref, prompts, ref_prompts, computed: ComputedPrefixes, pi
                                                 for r in ref_out.chunk_reuse)
 
 
-@settings(max_examples=max(3, settings().max_examples // 2), deadline=None)   # seconds each; the @examples pin the edges
+@costly(max_examples=max(3, settings().max_examples // 2), deadline=None)   # seconds each; the @examples pin the edges
 @given(s=scenarios())
 @example(s=dict(page_size=4, lengths=[9, 6, 5], pins=[True, False, True], seed=1, extra_pages=0, batch=False,
                 async_scheduling=False, budget=64,
@@ -328,7 +329,7 @@ def composites(draw):
 STEP_PARAMS = SamplingParams(max_tokens=2, ignore_eos=True)   # a decode step after the prefill
 
 
-@settings(max_examples=max(3, settings().max_examples // 3), deadline=None)   # ~10 s per example on one core
+@costly(max_examples=max(3, settings().max_examples // 3), deadline=None)   # ~10 s per example on one core
 @given(c=composites())
 @example(c=dict(chunk_lengths=[9, 5], pieces=[("chunk", 0), ("ids", 3), ("chunk", 1), ("text", "ab")],
                 pins=[True, False, False], page_size=4, budget=24, seed=0))   # 4 pieces, one budget-sized step

@@ -22,6 +22,7 @@ from chunkwise.engine import Engine, SamplingParams
 from chunkwise.engine import kv_cache
 from chunkwise.engine_config import DTYPES, EngineConfig
 from chunkwise.open_config import open_config
+from tests.draws import costly
 
 pytestmark = pytest.mark.correctness
 
@@ -139,7 +140,7 @@ def test_each_engine_argument_at_its_lower_bound_serves_and_one_below_is_refused
 
 # ---- max_model_len x page_size x split size: a request of exactly max_model_len ---------------------------------
 
-@settings(max_examples=max(3, settings().max_examples // 3))
+@costly(max_examples=max(3, settings().max_examples // 3))
 @example(page_size=4, max_model_len=16, tail=1, split_size=None)      # max_model_len % page_size == 0
 @example(page_size=4, max_model_len=17, tail=2, split_size=None)      # 1: the last page holds one token
 @example(page_size=5, max_model_len=19, tail=3, split_size=None)      # page_size - 1

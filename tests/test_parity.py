@@ -26,6 +26,7 @@ import chunkwise.reference
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from chunkwise.checkpoints import tiny_checkpoint
 from chunkwise.engine import Engine, SamplingParams
+from tests.draws import costly
 
 pytestmark = pytest.mark.correctness
 # The strict tier is float32 end to end: no TF32 in torch's matmuls on GPU (the kernels use IEEE dots).
@@ -265,7 +266,7 @@ WINDOW_LONG = Workload(
     split_kv_threshold=6, split_size=64)
 
 
-@settings(max_examples=EXAMPLES)
+@costly(max_examples=EXAMPLES)
 @example(model=Model("gemma3_text", kv_heads=1, group=3, head_dim=24, window=3), w=EDGE, greedy_stop=False)
 @example(model=Model("qwen2", kv_heads=2, group=1, head_dim=80), w=TIGHT, greedy_stop=True)
 @example(model=Model("llama", layers=1, kv_heads=1, group=2, bias=True), w=TIGHT, greedy_stop=False)
@@ -305,7 +306,7 @@ SAMPLED = (Model("qwen3", layers=1, kv_heads=2, group=2), (seeded_prompt(9, 6), 
            SamplingParams(max_tokens=8, temperature=1.0, seed=7, logprobs=0, ignore_eos=True))
 
 
-@settings(max_examples=settings().max_examples)   # the sampler itself is checked against HF in test_sampling.py
+@costly(max_examples=settings().max_examples)   # the sampler itself is checked against HF in test_sampling.py
 @example(model=SAMPLED[0], prompts=SAMPLED[1], params=SAMPLED[2])
 @given(model=models(), prompts=st.lists(st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=40).map(tuple),
                                         min_size=1, max_size=3),
@@ -365,7 +366,7 @@ def layouts(draw) -> tuple[tuple[int, ...], tuple[tuple[int, int | None], ...]]:
 
 # A token a step costs a step each in the interpreter: the pinned cases carry that edge on short prompts, and
 # the random draws are fewer than the profile's count.
-@settings(max_examples=max(2, settings().max_examples // 2))
+@costly(max_examples=max(2, settings().max_examples // 2))
 @example(model=Model("qwen3", layers=2, kv_heads=2, group=2), layout=(seeded_prompt(12, 8), ((1, 1), (64, None))))
 @example(model=Model("gemma3_text", kv_heads=1, group=3, head_dim=24, window=3),
          layout=(seeded_prompt(17, 9), ((3, 5), (16, 1))))

@@ -16,6 +16,7 @@ from chunkwise.chunks import Blend
 from chunkwise.engine.cuda_graphs import (PREFILL_SEQS, ROWS_STEP, TAIL_FINE_ROWS, TAIL_ROWS_STEP, StepGraphs,
                                          tail_bucket)
 from chunkwise.engine.host_step import synthetic_step
+from tests.draws import costly
 
 pytestmark = pytest.mark.correctness
 
@@ -96,7 +97,7 @@ def test_a_blend_graph_holds_a_row_planned_step_of_up_to_its_rows_prefills_and_d
 BLENDS = [Blend(0.3), Blend(1.0), Blend(0.0), Blend(0.25, "chunk-heads")]
 
 
-@settings(max_examples=max(1, settings().max_examples // 10), deadline=None, report_multiple_bugs=False)
+@costly(max_examples=max(1, settings().max_examples // 10), deadline=None, report_multiple_bugs=False)
 @example(family="qwen3", page_size=4, blend=Blend(0.3), docs=[9, 6], requests=2, decoding=False)
 @example(family="llama", page_size=2, blend=Blend(0.3), docs=[8, 8, 8], requests=3, decoding=True)
 @example(family="gemma3_text", page_size=1, blend=Blend(0.25, "chunk-heads"), docs=[20, 5], requests=1,
@@ -155,7 +156,7 @@ CHUNKS = dict(max_num_seqs=st.integers(1, 5), budget=st.integers(3, 24), graph_t
               overlap=st.booleans())
 
 
-@settings(max_examples=max(1, settings().max_examples // 10))
+@costly(max_examples=max(1, settings().max_examples // 10))
 @example(max_num_seqs=4, budget=12, graph_tokens=40, page_size=4, lens=[9, 20, 3, 14], overlap=True)
 @example(max_num_seqs=2, budget=7, graph_tokens=7, page_size=3, lens=[5, 17], overlap=False)
 @example(max_num_seqs=5, budget=24, graph_tokens=10, page_size=8, lens=[1, 2, 30, 6, 11], overlap=False)
