@@ -12,8 +12,6 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from tests.draws import PROFILE  # noqa: E402
-
 _BENCHMARKS_DESELECTED = pytest.StashKey[int]()
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -23,7 +21,7 @@ _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Healt
 settings.register_profile("ci", derandomize=True, max_examples=4, print_blob=True, **_common)
 settings.register_profile("dev", max_examples=25, **_common)
 settings.register_profile("thorough", max_examples=300, **_common)
-settings.load_profile(PROFILE)
+settings.load_profile(os.environ.get("CHUNKWISE_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
 @pytest.fixture(scope="session")

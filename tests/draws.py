@@ -8,6 +8,7 @@ import os
 
 from hypothesis import Phase, settings
 
+# conftest.py's choice, made again here (a test module cannot import conftest.py); checked where the profile exists.
 PROFILE = os.environ.get("CHUNKWISE_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev")
 
 

@@ -1,7 +1,7 @@
 """tests/draws.py's `costly`: under the ci profile a costly property runs its @examples alone; elsewhere it draws
 max_examples beside them; one without @examples is refused by name."""
 import pytest
-from hypothesis import Phase, example, given, strategies as st
+from hypothesis import Phase, example, given, settings, strategies as st
 
 from tests import draws
 
@@ -37,3 +37,9 @@ def test_a_costly_property_without_examples_is_refused_naming_it():
         @given(x=st.integers())
         def prop_without_examples(x):
             pass
+
+
+def test_the_profile_costly_reads_is_the_one_conftest_loaded():
+    """The same draws and seed rule (scripts/mutants.py's pinned stage loads a child of `ci` narrowed to @examples)."""
+    chosen, loaded = settings.get_profile(draws.PROFILE), settings.default
+    assert (chosen.max_examples, chosen.derandomize) == (loaded.max_examples, loaded.derandomize), draws.PROFILE
