@@ -14,11 +14,11 @@ from chunkwise.kernels import matmul, matmul_ref, paged_attention, paged_decode
 from chunkwise.kernels.testing import DTYPES
 import chunkwise.engine.model
 from chunkwise.engine import Engine, SamplingParams
+from tests.draws import costly
 
 PROMPT_LENS = [13, 6, 9, 70]   # the last one only in LONG
 MAX_TOKENS = 5
 MAX_MODEL_LEN = 80
-FEWER = settings(max_examples=max(1, settings.default.max_examples // 3))
 
 # Preempts: two requests whose pages do not fit together, the second arriving while the first decodes.
 TIGHT = Case(page_size=2, max_num_batched_tokens=8, max_num_seqs=3, num_pages=9, prefix_caching=False,
@@ -124,7 +124,7 @@ def test_matmul_refuses_mismatched_operands():
         matmul(torch.ones(3, 4, dtype=torch.int32), torch.ones(5, 4, dtype=torch.int32))
 
 
-@FEWER
+@costly(max_examples=max(1, settings.default.max_examples // 3))
 @given(case=cases(PROMPT_LENS[:3], MAX_TOKENS))
 @example(case=MIXED)
 def test_deterministic_tokens_and_kv_are_bitwise_whatever_the_chunks_pages_batch_arrivals_and_preemption(

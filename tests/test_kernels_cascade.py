@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from chunkwise.kernels import cascade_decode, cascade_decode_ref, cascade_groups, cascade_item_size, split_kv_decode
 from chunkwise.kernels.attention_tile import attend_ref
 from chunkwise.kernels.testing import DTYPES, TOLERANCE, PagedKV, random_kv
+from tests.draws import costly
 
 pytestmark = pytest.mark.correctness
 # The tolerance test repeats what the bitwise test and split-KV's own reference test already pin; half the count.
@@ -123,6 +124,7 @@ def _groups(cache, spec, device):
     return groups if spec["programs"] is None else dataclasses.replace(groups, programs=spec["programs"])
 
 
+@costly(max_examples=settings.default.max_examples)
 @given(spec=batches())
 # Four members sharing exactly two splits (prefix on the boundary), one with no partner, interleaved; one
 # program takes both items (one per split: four members fill a 16-row tile with their four heads).
