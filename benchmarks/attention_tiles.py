@@ -7,7 +7,7 @@ Qwen3-0.6B's attention shape (16 q / 8 KV heads of 128), bf16, pages of 16. Four
 r = 0.15 of bench_blend_speed's composed request (4,160 tokens) and chunk-heads' there, and r = 0.15 of the
 prefill-bound RAG request (8,736 tokens), scattered and as the context's last rows. Each configuration replaces
 `tile_config`'s answer for the launch; medians of CUDA-graph replays (triton.testing.do_bench_cudagraph) after a
-first call that compiles it; the roofline is the causal products at ~500 TFLOP/s (attention_planned's)."""
+first call that compiles it; the roofline is the causal products at attention_planned's FA3_TFLOPS."""
 import argparse
 import importlib
 import json
@@ -15,11 +15,12 @@ import json
 import torch
 import triton.testing
 
+from benchmarks.attention_planned import D, DOC, FA3_TFLOPS, H, KV, QUESTION
 from chunkwise.kernels.paged_attention import paged_split_workspace
 from chunkwise.kernels.testing import paginate, random_kv
 
 pa = importlib.import_module("chunkwise.kernels.paged_attention")   # the package re-exports the function's name
-H, KV, D, PAGE, DOC, QUESTION = 16, 8, 128, 16, 512, 64
+PAGE = 16
 CONFIGS = [(m, n, w, s) for m in (64, 128, 256) for n in (64, 128) for w in (4, 8) for s in (1, 2, 3, 4)
            if not (m == 256 and w == 4) and not (m == 64 and w == 8)]
 SPLITS = (None, 1024, 2048)
@@ -57,7 +58,7 @@ def main():
         q = torch.randn(n, H, D, generator=gen).to(torch.bfloat16).cuda()
         qsl = torch.tensor([0, n], dtype=torch.int32, device="cuda")
         out = torch.empty_like(q)
-        roof = 4 * H * D * float((pos + 1).sum()) / 500e12 * 1e6
+        roof = 4 * H * D * float((pos + 1).sum()) / (FA3_TFLOPS * 1e12) * 1e6
         ref = pa.paged_attention(q, cache.k_cache, cache.v_cache, cache.page_tables, lens, qsl, D ** -0.5,
                                  max_rows=128, positions=positions).float()
         timed = []

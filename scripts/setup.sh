@@ -11,8 +11,5 @@ python -m pip install -q --upgrade pip
 python -c "import torch" 2>/dev/null || python -m pip install -q --no-compile torch==2.13.0
 # The rest through uv (the same versions as pip resolves here, in about a quarter of pip's minute); pip where uv
 # cannot be installed or fails.
-if python -m pip install -q uv && python -m uv pip install -q --python "$(command -v python)" -e ".[test,real,bench]"; then
-  :
-else
+{ python -m pip install -q uv && python -m uv pip install -q -e ".[test,real,bench]"; } ||
   python -m pip install -q --no-compile -e ".[test,real,bench]"
-fi

@@ -26,7 +26,9 @@ from tests.draws import costly
 
 pytestmark = pytest.mark.correctness
 
-# ci: 2 drawn examples (1 for the costliest) besides the pinned ones
+# Draws besides the pinned ones outside the ci profile (which runs the @examples alone: tests/draws.py).
+FEW = max(2, settings().max_examples // 5)
+FEWEST = max(1, settings().max_examples // 10)
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +185,7 @@ def test_max_model_len_is_accepted_from_2_to_max_position_embeddings_and_refused
 
 # ---- the page pool ---------------------------------------------------------------------------------------------
 
-@costly(max_examples=max(2, settings().max_examples // 5))
+@costly(max_examples=FEW)
 @example(page_size=4, num_pages=3, short=0, max_tokens=2)     # 12 cached tokens fill 3 pages exactly
 @example(page_size=4, num_pages=3, short=3, max_tokens=1)     # 9: one token into the last page
 @example(page_size=1, num_pages=2, short=0, max_tokens=1)
@@ -241,7 +243,7 @@ def steps_of(eng: Engine) -> list:
     return batches
 
 
-@costly(max_examples=max(2, settings().max_examples // 5))
+@costly(max_examples=FEW)
 @example(max_num_seqs=1, extra=1)
 @example(max_num_seqs=3, extra=0)
 @given(max_num_seqs=st.integers(1, 5), extra=st.integers(0, 2))
@@ -254,7 +256,7 @@ def test_max_num_seqs_requests_run_together_and_one_more_waits(ckpt, ref, max_nu
     assert len(batches[0][0]) == max_num_seqs, "the first step admitted fewer than max_num_seqs requests"
 
 
-@costly(max_examples=max(1, settings().max_examples // 10))
+@costly(max_examples=FEWEST)
 @example(max_num_seqs=5, decodes=5, cascade=False)     # a bucket of its own: the largest is max_num_seqs
 @example(max_num_seqs=17, decodes=9, cascade=True)     # padded to 16
 @example(max_num_seqs=3, decodes=3, cascade=True)
@@ -294,7 +296,7 @@ def test_graph_buckets_from_any_max_num_seqs_stage_every_decode_batch_as_eager_s
 
 # ---- max_num_batched_tokens -------------------------------------------------------------------------------------
 
-@costly(max_examples=max(2, settings().max_examples // 5))
+@costly(max_examples=FEW)
 @example(budget=6, over=0)     # a prompt of exactly the budget: one step
 @example(budget=6, over=1)     # one token more: two
 @example(budget=1, over=2)

@@ -267,4 +267,3 @@ def test_a_failed_node_id_is_read_whole_even_with_spaces_in_its_parameters():
     out = ("FAILED tests/t.py::test_a[blend r=0.15, staged] - AssertionError: x - y\n"
            "ERROR tests/u.py - ImportError\nFAILED tests/t.py::test_b\n")
     assert mutants.failed_nodes(out) == ["tests/t.py::test_a[blend r=0.15, staged]", "tests/u.py", "tests/t.py::test_b"]
-

@@ -304,4 +304,3 @@ def test_recorded_kills_name_exactly_the_catalogue():
     kills = mutants.load_kills()
     assert set(kills) == {m.name for m in MUTANTS}, sorted(set(kills) ^ {m.name for m in MUTANTS})
     assert all((ROOT / test.split("::")[0]).is_file() for test in kills.values())
-
