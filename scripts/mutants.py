@@ -71,6 +71,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SELECTION = [
     "tests/test_mutant_anchors.py",
     "tests/test_draws.py",   # the ci profile's costly properties: their @examples alone
+    "tests/test_interpreter.py",   # Triton's interpreter sped up, computing what it computed before: a second
     "tests/test_config.py",
     "tests/test_sampling.py",
     "tests/test_checkpoints.py",
@@ -336,6 +337,11 @@ MUTANTS = [
            "            if tl.core.is_builtin(member) and not name.startswith('_'):\n",
            "the builtins kept for the interpreter's patch leave out the private ones (`_reduce_with_indices`...), "
            "so a launch would run them with the compiler's semantics"),
+    Mutant("interpreter_checks_integer_overflow", "chunkwise/kernels/interpreter.py::speed_up",
+           "    _no_overflow_checks(interpreter)\n",
+           "",
+           "the interpreter computes Triton's integer-overflow checks, whose asserts it drops without debug as a "
+           "compiled kernel does: every launch pays about a third more for nothing"),
     Mutant("host_cdiv_floors", "chunkwise/kernels/tiling.py::cdiv",
            "    return -(a // -b)\n",
            "    return a // b\n",

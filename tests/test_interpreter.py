@@ -132,3 +132,38 @@ def test_a_launchs_patch_sets_the_builtins_tritons_walk_finds_and_dtypes_map_as_
     for dtype in (tl.float32, tl.bfloat16, tl.float16, tl.int1, tl.int32, tl.int64, tl.uint16,
                   tl.pointer_type(tl.float32)):
         assert interpreter._get_np_dtype(dtype) == original(dtype) == interpreter._get_np_dtype(dtype), dtype
+
+
+@triton.jit
+def _int32_arithmetic_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr):
+    # a, b, out: int32 [3, N]; rows: a + b, a - b, a * b
+    r = tl.arange(0, N)
+    a = tl.load(a_ptr + r)
+    b = tl.load(b_ptr + r)
+    tl.store(out_ptr + r, a + b)
+    tl.store(out_ptr + N + r, a - b)
+    tl.store(out_ptr + 2 * N + r, a * b)
+
+
+def test_int32_arithmetic_computes_no_overflow_check_and_wraps_as_a_compiled_kernels_does(monkeypatch):
+    """Triton checks each int32 add, sub and mul for overflow in int64 and hands the result to `device_assert`,
+    which drops it unless the kernel is built with `debug`: the interpreter computes no such check at all, and the
+    arithmetic wraps as on the GPU."""
+    from triton.runtime import interpreter
+
+    speed_up()
+    asserts = []
+    semantic = interpreter.interpreter_semantic
+    check = semantic.device_assert
+    monkeypatch.setattr(semantic, "device_assert", lambda *a, **kw: asserts.append(a) or check(*a, **kw))
+    big = 2 ** 31 - 1
+    a = torch.tensor([big, -big, 46341, 7, -3, 0, 1, -1], dtype=torch.int32)
+    b = torch.tensor([1, 2, 46341, 5, 9, 0, big, big], dtype=torch.int32)
+    out = torch.zeros(3, 8, dtype=torch.int32)
+    _int32_arithmetic_kernel[(1,)](a, b, out, N=8)
+    assert asserts == []
+    wrapped = [((x + y) & 0xFFFFFFFF, (x - y) & 0xFFFFFFFF, (x * y) & 0xFFFFFFFF)
+               for x, y in zip(a.tolist(), b.tolist())]
+    expected = torch.tensor([[w[i] - 2 ** 32 if w[i] >= 2 ** 31 else w[i] for w in wrapped] for i in range(3)],
+                            dtype=torch.int32)
+    assert torch.equal(out, expected)
