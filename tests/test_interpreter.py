@@ -136,7 +136,7 @@ def test_a_launchs_patch_sets_the_builtins_tritons_walk_finds_and_dtypes_map_as_
 
 @triton.jit
 def _int32_arithmetic_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr):
-    # a, b, out: int32 [3, N]; rows: a + b, a - b, a * b
+    # a, b: int32 [N]; out: int32 [3, N], its rows a + b, a - b, a * b
     r = tl.arange(0, N)
     a = tl.load(a_ptr + r)
     b = tl.load(b_ptr + r)
