@@ -16,15 +16,16 @@ import torch
 import triton.testing
 
 from benchmarks.attention_planned import D, DOC, FA3_TFLOPS, H, KV, QUESTION
+from chunkwise.engine.model import PLANNED_SPLIT_SIZE, PLANNED_TILE_ROWS
 from chunkwise.kernels.paged_attention import paged_split_workspace
 from chunkwise.kernels.testing import paginate, random_kv
+from chunkwise.kernels.tiling import shared_memory
 
 pa = importlib.import_module("chunkwise.kernels.paged_attention")   # the package re-exports the function's name
 PAGE = 16
 CONFIGS = [(m, n, w, s) for m in (64, 128, 256) for n in (64, 128) for w in (4, 8) for s in (1, 2, 3, 4)
            if not (m == 256 and w == 4) and not (m == 64 and w == 8)]
 SPLITS = (None, 1024, 2048)
-TODAY = (128, 128, 8, 2), 2048   # a row plan's tiles on Hopper (PLANNED_TILE_ROWS) split every PLANNED_SPLIT_SIZE
 
 
 def row_sets(gen: torch.Generator):
@@ -49,6 +50,8 @@ def main():
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     tile_config, forced = pa.tile_config, []
+    # what a row plan's launches take on this GPU: tile_config's answer under PLANNED_TILE_ROWS, PLANNED_SPLIT_SIZE
+    today = tile_config(D, H // KV, torch.bfloat16, shared_memory("cuda"), PLANNED_TILE_ROWS), PLANNED_SPLIT_SIZE
     pa.tile_config = lambda *a, **k: forced[0] if forced else tile_config(*a, **k)
     results = []
     for name, ctx, pos in row_sets(gen):
@@ -60,7 +63,7 @@ def main():
         out = torch.empty_like(q)
         roof = 4 * H * D * float((pos + 1).sum()) / (FA3_TFLOPS * 1e12) * 1e6
         ref = pa.paged_attention(q, cache.k_cache, cache.v_cache, cache.page_tables, lens, qsl, D ** -0.5,
-                                 max_rows=128, positions=positions).float()
+                                 max_rows=PLANNED_TILE_ROWS, positions=positions).float()
         timed = []
         for cfg in CONFIGS:
             forced[:] = [cfg]
@@ -76,11 +79,12 @@ def main():
                 timed.append((1e3 * triton.testing.do_bench_cudagraph(run, rep=30), cfg, split, diff))
         forced.clear()
         timed.sort(key=lambda t: t[0])
-        today = next(t[0] for t in timed if (t[1], t[2]) == TODAY)
-        print(f"{name}: roofline {roof:.1f} us; today {TODAY} {today:.1f} us ({100 * roof / today:.0f}%)", flush=True)
+        today_us = next(t[0] for t in timed if (t[1], t[2]) == today)
+        print(f"{name}: roofline {roof:.1f} us; today {today} {today_us:.1f} us ({100 * roof / today_us:.0f}%)",
+              flush=True)
         for us, cfg, split, diff in timed[:5]:
             print(f"   {us:7.1f} us ({100 * roof / us:3.0f}%)  {cfg} split {split}  rel diff {diff:.1e}", flush=True)
-        results.append(dict(rows=name, roofline_us=roof, today_us=today,
+        results.append(dict(rows=name, roofline_us=roof, today_us=today_us,
                             timed=[dict(us=us, config=cfg, split=split, rel_diff=diff) for us, cfg, split, diff in timed]))
     if args.out:
         with open(args.out, "w") as f:

@@ -342,6 +342,11 @@ MUTANTS = [
            "",
            "the interpreter computes Triton's integer-overflow checks, whose asserts it drops without debug as a "
            "compiled kernel does: every launch pays about a third more for nothing"),
+    Mutant("interpreter_drops_overflow_checks_under_debug", "chunkwise/kernels/interpreter.py::_no_overflow_checks",
+           'and not getattr(options, "debug", True)',
+           'and True',
+           "the interpreter drops Triton's overflow checks even where it runs with debug, whose asserts would fire: "
+           "an int32 overflow a debugging user asked to see passes silently"),
     Mutant("host_cdiv_floors", "chunkwise/kernels/tiling.py::cdiv",
            "    return -(a // -b)\n",
            "    return a // b\n",

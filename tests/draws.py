@@ -4,12 +4,10 @@ examples take seconds each (engines stepped through Triton's interpreter).
 In the `ci` profile such a property runs its @examples alone. Those are what the mutation catalogue's kills run
 (`scripts/mutants.py --pinned-only`), so no recorded kill depends on a draw; under 2 cores CI's 15 minutes do not
 hold the draws too. Every other profile (`dev`, `thorough`) draws `max_examples` beside them."""
-import os
-
 from hypothesis import Phase, settings
 
-# conftest.py's choice, made again here (a test module cannot import conftest.py); checked where the profile exists.
-PROFILE = os.environ.get("CHUNKWISE_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev")
+# The profile conftest.py loaded, which it did before any test module imports this one.
+PROFILE = settings.get_current_profile_name()
 
 
 def explicit_examples(test) -> list:

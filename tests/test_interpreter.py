@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from chunkwise.kernels.tiling import INTERPRET, dot
-from chunkwise.kernels.interpreter import speed_up
+from chunkwise.kernels.interpreter import _no_overflow_checks, speed_up
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="the interpreter runs only without CUDA")
 
@@ -167,3 +167,15 @@ def test_int32_arithmetic_computes_no_overflow_check_and_wraps_as_a_compiled_ker
     expected = torch.tensor([[w[i] - 2 ** 32 if w[i] >= 2 ** 31 else w[i] for w in wrapped] for i in range(3)],
                             dtype=torch.int32)
     assert torch.equal(out, expected)
+
+
+def test_the_overflow_checks_stay_where_the_interpreter_runs_with_debug():
+    """With `debug` its asserts fire, so the checks are kept; without it they go."""
+    from types import SimpleNamespace
+
+    from triton.runtime.interpreter import InterpreterOptions
+
+    for debug in (True, False):
+        fake = SimpleNamespace(interpreter_builder=SimpleNamespace(options=InterpreterOptions(debug=debug)))
+        _no_overflow_checks(fake)
+        assert fake.interpreter_builder.options.sanitize_overflow is debug

@@ -62,8 +62,8 @@ class EngineCase:
 
 # The optimized engine with an odd page size and random chunk boundaries: the chunks and pages must not show.
 # Its 4 tokens' decodes cross the page boundary at position 7 (the prompts are 5 and 6 tokens); every token costs
-# seconds in Triton's interpreter on these models. The reference (about a second a token on one core) compares 16,
-# its decodes crossing its 16-token pages' first boundary too.
+# seconds in Triton's interpreter on these models. The reference (about a second a token on one core; it has no
+# pages, every token recomputes the whole sequence) compares 16.
 ENGINE_CASES = [EngineCase("chunkwise.reference", new_tokens=16),
                 EngineCase("chunkwise.engine", page_size=7, chunk_seed=1, new_tokens=4)]
 
