@@ -28,6 +28,10 @@ DEVICE_TYPES = ("cpu", "cuda")
 # CUDA graphs capture.
 CPU_SPLIT_KV_THRESHOLD = 256
 ATTENTION_BACKENDS = ("triton", "fa3")
+# A step holding blended prefills counts against max_num_batched_tokens only their computed rows (each layer's,
+# averaged), so it may hold more rows than that at layer 0, where their placed K/V are copied in: up to this many
+# budgets' worth (or one whole prompt), what its activations and blend graphs are sized for.
+BLENDED_ROWS_PER_BUDGET = 4
 
 # Fields that only the optimized engine's paging, batching and kernels use.
 REFERENCE_IGNORED = ("page_size", "num_pages", "gpu_memory_utilization", "max_num_batched_tokens",
@@ -124,6 +128,11 @@ class EngineConfig:
         object.__setattr__(config, "path", path)
         object.__setattr__(config, "model_config", model_config)
         return config
+
+    @property
+    def max_blended_rows(self) -> int:
+        """The most rows, placed ones included, a step holding blended prefills takes at layer 0 (decodes too)."""
+        return max(self.max_model_len, BLENDED_ROWS_PER_BUDGET * self.max_num_batched_tokens)
 
     @property
     def max_pages_per_seq(self) -> int:

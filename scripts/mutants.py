@@ -638,10 +638,31 @@ MUTANTS = [
            "a prefill preempted out of a step keeps counting against the step's prefill cap, so the prompts left in "
            "the step get fewer tokens than the cap allows"),
     Mutant("decode_step_prefill_cap_cuts_caller_chunks", "chunkwise/engine/scheduler.py::Scheduler._chunk",
-           "        if want <= plan.budget:\n",
-           "        if want <= plan.prefill_budget:\n",
+           "        if counted <= plan.budget and want <= plan.rows:\n",
+           "        if counted <= plan.prefill_budget and want <= plan.rows:\n",
            "a caller's chunk (chunk_sizes) waits for the decode-step cap, not only the budget, so while any request "
            "decodes a composed request's chunk larger than the cap never runs"),
+    # ---- a blended prefill's rows against the budget (computed rows counted, placed ones capped per step) --------
+    Mutant("blended_prefill_counts_its_placed_rows", "chunkwise/engine/blend/blender.py::Blender.counted_rows",
+           "        return -(-sum(rows) // len(rows))\n",
+           "        return n\n",
+           "a blended prefill counts all its rows against the budget, placed ones too, so a step holds about one and "
+           "one longer than the budget runs alone, without the decodes"),
+    Mutant("blended_rows_uncapped", "chunkwise/engine/scheduler.py::Scheduler._chunk",
+           "        if counted <= plan.budget and want <= plan.rows:\n",
+           "        if counted <= plan.budget:\n",
+           "blended prefills join a step while their counted rows fit the budget, whatever their rows at layer 0: "
+           "more than the activations and blend graphs are sized for"),
+    Mutant("blend_count_skips_the_check_layers", "chunkwise/engine/blend/planning.py::layer_rows",
+           "    return [rows] + [fixed + int(k) for k in kept] + [fixed + int(kept[-1])] * (num_layers - 1 - last)\n",
+           "    return [rows] + [fixed + int(kept[-1])] * (num_layers - 1)\n",
+           "the scheduler's count of a kv-deviation blend takes its check layers at the final ratio, not the gradual "
+           "filter's larger shares"),
+    Mutant("blend_count_takes_a_chunks_partial_page", "chunkwise/engine/blend/planning.py::layer_rows",
+           "            cached = max((n_ctx + p.num_tokens) // page_size * page_size - n_ctx, 0)\n",
+           "            cached = p.num_tokens\n",
+           "the scheduler counts a chunk's tail past its last full page as placed, though the prefix cache holds only "
+           "full pages, so the plan computes more rows than the budget took"),
     # ---- the accepting side of every limit (issue 32: checks that refuse too much passed CI) --------------------
     Mutant('max_model_len_refuses_a_request_of_exactly_it', 'chunkwise/requests.py::validate_requests',
            'admits(len(tokens) + p.max_tokens, max_model_len=max_model_len)',

@@ -333,3 +333,68 @@ def test_a_remembered_chunk_chain_is_reused_while_cached_and_resolved_again_once
     assert chain(after) == pool.chain_pages(context + ids)
     assert len(pool.chain_pages(context + ids)) == 3
     assert (7, after.context) in blender.chains
+
+
+def plan_rows(plan, num_layers: int) -> list[int]:
+    """The rows a RowPlan computes at each layer past that layer's selection (row_plan.py's rules)."""
+    if not plan.check_layers:
+        return [int(plan.computed.sum())] * num_layers
+    rows = [int(plan.computed.sum())] * num_layers
+    for layer in range(1, num_layers):
+        at = [k for c, k in zip(plan.check_layers, plan.keep) if c <= layer]
+        if at:
+            rows[layer] = plan.num_fixed + at[-1]
+    return rows
+
+
+@settings(max_examples=max(4, settings().max_examples))
+@example(page_size=3, comp=((13, 9, 17), [("chunk", 1), ("text", [5, 6]), ("chunk", 0), ("chunk", 2)]),
+         blend=Blend(0.3), start=4, seed=1)   # tails past full pages, an exact prefix ending inside a chunk
+@example(page_size=4, comp=PINNED_LAYOUT, blend=Blend(0.6, "chunk-heads"), start=0, seed=2)
+@given(page_size=st.sampled_from([1, 3, 4, 8]), comp=compositions(),
+       blend=st.builds(Blend, st.sampled_from([0.0, 0.1, 0.3, 0.6, 1.0]), st.sampled_from(POLICIES)),
+       start=st.integers(0, 200), seed=st.integers(0, 10**6))
+def test_the_schedulers_count_of_a_blends_rows_is_its_plans_while_its_chunks_are_cached(tiny_ckpt, page_size, comp,
+                                                                                       blend, start, seed):
+    """`layer_rows`, the O(pieces) count the scheduler's budget takes before a blend is planned, gives the rows the
+    plan (`plan_blend` against the prefix cache) computes at each layer, from any exact prefix."""
+    from chunkwise.engine.blend import layer_rows, plan_blend
+
+    eng = engine(tiny_ckpt, "qwen3", page_size)
+    prompt = [seeded_ids(2, ("count", seed))] + build(eng, *comp, seed)
+    pieces = eng.frontend.requests([prompt], PARAMS, None, blend)[0].pieces
+    start = start % sum(p.num_tokens for p in pieces)
+    plan = plan_blend(blend, pieces, start, eng.page_pool, LAYERS)
+    note(f"pieces {pieces} start {start}")
+    assert layer_rows(blend, pieces, start, LAYERS, page_size) == plan_rows(plan.rows, LAYERS)
+
+
+def test_blended_prefills_share_a_step_by_their_computed_rows_up_to_the_steps_rows(tiny_ckpt, monkeypatch):
+    """A blended prefill counts its computed rows per layer against the budget (`Blender.counted_rows`), not its
+    placed ones: prefills whose whole prompts exceed the budget share steps (and join decodes) while their counted
+    rows fit it and their rows fit `max_blended_rows` (`Scheduler._chunk`); every request still gets the tokens it
+    gets alone."""
+    budget = 48
+    eng = engine(tiny_ckpt, "qwen3", 4, max_num_batched_tokens=budget)
+    assert eng.engine_config.max_blended_rows == 192   # max(max_model_len 192, 4 * 48)
+    docs = [eng.register_chunk(seeded_ids(24, ("share", i)), pin=True) for i in range(6)]
+    rng = random.Random("share")
+    # 77 rows each, no exact prefix (2 leading ids fill no page): 5 fixed rows, 72 placed
+    prompts = [[seeded_ids(2, ("lead", i))] + rng.sample(docs, 3) + [seeded_ids(3, ("question", i))]
+               for i in range(4)]
+    modes = [Blend(0.0)] * 3 + [Blend(0.3)]   # 5 rows counted each; kv-deviation 77, 41, 34, 27 a layer: 45
+    alone = [eng.generate([p], PARAMS, reuse=m)[0].token_ids for p, m in zip(prompts, modes)]
+    batches = []
+    schedule = eng.scheduler.schedule
+    monkeypatch.setattr(eng.scheduler, "schedule", lambda: batches.append(schedule()) or batches[-1])
+    outs = eng.generate(prompts, PARAMS, reuse=modes)
+    assert [o.token_ids for o in outs] == alone
+    steps = []
+    for b in batches:
+        counted = [sum(plan_rows(b.row_plans[s.seq_id], LAYERS)) / LAYERS if s.seq_id in b.row_plans else n
+                   for s, n in zip(b.seqs, b.num_new_tokens)]
+        assert sum(counted) <= budget and b.num_tokens <= eng.engine_config.max_blended_rows, (counted, b.num_tokens)
+        steps.append((len(b.row_plans), b.num_tokens - 77 * len(b.row_plans)))
+    # the third prompt's 5 counted rows fit the first step's budget, its 77 rows not the 192 left after 154; the
+    # fourth's 45 do not fit the second's (48 - 2 decodes - 5), though its rows would
+    assert steps[:3] == [(2, 0), (1, 2), (1, 3)], steps

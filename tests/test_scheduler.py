@@ -399,18 +399,18 @@ def test_the_prefill_cap_is_shared_by_a_steps_prefills_and_admissions_and_does_n
 def test_a_prefill_dropped_from_a_step_gives_its_share_of_the_cap_back():
     from chunkwise.engine.scheduler import _Plan
 
-    plan = _Plan(budget=10)
+    plan = _Plan(budget=10, rows=20)
     decode, a, b = Sequence(0, [1]), Sequence(1, list(range(6))), Sequence(2, list(range(6)))
-    plan.add(decode, 1)
+    plan.add(decode, 1, 1)
     plan.prefill_cap = 4
-    plan.add(a, 3)
-    assert plan.prefill_budget == 1
-    plan.add(b, 1)
+    plan.add(a, 6, 3)   # a planned prefill: 6 rows at layer 0, 3 counted
+    assert (plan.budget, plan.rows, plan.prefill_budget) == (6, 13, 1)
+    plan.add(b, 1, 1)
     assert plan.prefill_budget == 0
-    plan.drop(a)   # preempted: its 3 tokens leave the step and the cap
-    assert (plan.budget, plan.prefill_budget) == (8, 3)
+    plan.drop(a)   # preempted: its rows leave the step, its 3 counted ones the budget and the cap
+    assert (plan.budget, plan.rows, plan.prefill_budget) == (8, 18, 3)
     plan.drop(decode)   # a decode never counted against the cap
-    assert (plan.budget, plan.prefill_budget) == (9, 3)
+    assert (plan.budget, plan.rows, plan.prefill_budget) == (9, 19, 3)
 
 
 def test_max_num_seqs_caps_the_running_sequences():

@@ -24,13 +24,12 @@ def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype, kv_heads: i
     return 2 * cfg.num_layers * page_size * (kv_heads or cfg.num_kv_heads) * cfg.head_dim * elem
 
 
-def activation_reserve(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int,
-                       dtype: torch.dtype) -> int:
-    """A generous bound on one step's activations, kept free beside the KV cache."""
+def activation_reserve(cfg: ModelConfig, max_rows: int, max_num_seqs: int, dtype: torch.dtype) -> int:
+    """A generous bound on the activations of one step of up to `max_rows` rows, kept free beside the KV cache."""
     elem = torch.empty((), dtype=dtype).element_size()
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     per_token = (4 * cfg.intermediate_size + 6 * cfg.hidden_size + 3 * qkv) * elem + 64
-    return max_num_batched_tokens * per_token + 3 * max_num_seqs * cfg.vocab_size * 4 + (256 << 20)
+    return max_rows * per_token + 3 * max_num_seqs * cfg.vocab_size * 4 + (256 << 20)
 
 
 def pool_size(config: EngineConfig, kv_heads: int, device: torch.device) -> int:
@@ -40,7 +39,11 @@ def pool_size(config: EngineConfig, kv_heads: int, device: torch.device) -> int:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = min(free, total * config.gpu_memory_utilization - (total - free))
-        budget -= activation_reserve(cfg, config.max_num_batched_tokens, config.max_num_seqs, config.dtype)
+        # A step of blended prefills holds up to max_blended_rows rows at layer 0; blending needs the prefix cache
+        # and one rank (chunkwise/engine/frontend.py refuses it otherwise).
+        blends = config.enable_prefix_caching and config.tensor_parallel_size == 1
+        rows = config.max_blended_rows if blends else config.max_num_batched_tokens
+        budget -= activation_reserve(cfg, rows, config.max_num_seqs, config.dtype)
         default = int(budget // per_page)
     else:
         budget = psutil.virtual_memory().available

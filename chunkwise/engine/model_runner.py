@@ -83,8 +83,8 @@ class ModelRunner:
             self._warm_up()
             if not config.enforce_eager and self.split_kv_threshold == 0:
                 self.graphs.capture(config.max_num_seqs, self.cascade, config.max_num_batched_tokens)
-                if config.max_graph_tokens > 0 and tp is None:   # a blended prompt longer than the budget runs alone
-                    self.blend_graphs.max_rows = max(config.max_num_batched_tokens, config.max_model_len)
+                if config.max_graph_tokens > 0 and tp is None:   # blended prefills count their computed rows
+                    self.blend_graphs.max_rows = config.max_blended_rows
 
     # ---- step inputs -------------------------------------------------------------------------------
     def prepare(self, batch) -> tuple[HostStep, list]:

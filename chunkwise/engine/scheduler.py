@@ -6,8 +6,11 @@ then admissions from the waiting queue (first come, first served). A step that d
 prefill work bounds their inter-token gap (a step with no decode takes the full budget, for the first token's
 sake). A caller's chunk_sizes are honoured exactly: a chunk that does not fit the remaining budget waits for a
 later step, and a chunk larger than the whole budget runs alone in a step of its own; a caller's chunk is not
-cut by the decode-step cap either, only by the budget. When pages run out, the newest running sequences are
-preempted: their pages are freed and they recompute (split by the budget) once readmitted.
+cut by the decode-step cap either, only by the budget. The budget counts computed rows: a blended prefill (its
+caller chunk is its whole prompt) counts its rows computed per layer on average, and its placed rows take only the
+step's rows at layer 0 (`max_blended_rows`), so several share a step as plain prompts of their work would. When
+pages run out, the newest running sequences are preempted: their pages are freed and they recompute (split by the
+budget) once readmitted.
 A batch also carries its `PageChanges`: the pages its sequences took and the sequences whose pages were freed
 since the last batch (here, or outside `schedule`: finishes in postprocess, aborts, failed steps), which is
 all the runner's page tables learn of the pool. An empty batch runs nothing, so it leaves them for the next.
@@ -54,38 +57,47 @@ class ScheduledBatch:
 
 
 class _Plan:
-    """A step under construction: tokens per sequence (insertion order), the budget left, preemptions."""
+    """A step under construction: tokens per sequence (insertion order), the budget left in computed rows, the rows
+    left at layer 0 (a blended prefill's placed rows take these, not the budget), preemptions."""
 
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, rows: int):
         self.budget = budget
+        self.rows = self.max_rows = rows
         self.prefill_cap: int | None = None   # prefill tokens the step may hold once it decodes
-        self.capped: dict[int, int] = {}      # seq id -> its tokens added since (prefill: they count against it)
-        self.tokens: dict[int, tuple[Sequence, int]] = {}
+        self.capped: dict[int, int] = {}      # seq id -> its rows counted since (prefill: they count against it)
+        self.tokens: dict[int, tuple[Sequence, int, int]] = {}   # seq id -> (seq, tokens, rows counted)
         self.preempted: list[Sequence] = []
+
+    @property
+    def full(self) -> bool:
+        return self.budget <= 0 or self.rows <= 0
 
     @property
     def prefill_budget(self) -> int:
         """Tokens a prefill split by the budget may take now."""
         if self.prefill_cap is None:
-            return self.budget
-        return min(self.budget, self.prefill_cap - sum(self.capped.values()))
+            return min(self.budget, self.rows)
+        return min(self.budget, self.rows, self.prefill_cap - sum(self.capped.values()))
 
-    def add(self, seq: Sequence, n: int) -> None:
-        self.tokens[seq.seq_id] = (seq, n)
-        self.budget -= n
+    def add(self, seq: Sequence, n: int, counted: int) -> None:
+        self.tokens[seq.seq_id] = (seq, n, counted)
+        self.budget -= counted
+        self.rows -= n
         if self.prefill_cap is not None:   # set after the decodes: whatever comes now is prefill
-            self.capped[seq.seq_id] = n
+            self.capped[seq.seq_id] = counted
 
     def drop(self, seq: Sequence) -> None:
         if seq.seq_id in self.tokens:
-            self.budget += self.tokens.pop(seq.seq_id)[1]
+            _, n, counted = self.tokens.pop(seq.seq_id)
+            self.budget += counted
+            self.rows += n
             self.capped.pop(seq.seq_id, None)   # a preempted prefill gives its share of the cap back
 
     def batch(self, pool: PagePool) -> ScheduledBatch:
         """The step; a step that runs something takes the pool's page changes with it."""
         entries = list(self.tokens.values())
         changes = pool.take_changes() if entries else PageChanges.none()
-        return ScheduledBatch([s for s, _ in entries], [n for _, n in entries], self.preempted, changes)
+        return ScheduledBatch([s for s, _, _ in entries], [n for _, n, _ in entries], self.preempted, changes)
 
 
 class RowPlanner(Protocol):
@@ -96,6 +108,9 @@ class RowPlanner(Protocol):
 
     def approximate_from(self, seq: Sequence) -> int | None:
         """Where seq's K/V stop being exact (never cached past it), None when they are exact."""
+
+    def counted_rows(self, seq: Sequence, computed: int, n: int, page_size: int) -> int:
+        """The rows seq's prefill of n tokens from `computed` counts against a step's budget (n unless planned)."""
 
 
 class Scheduler:
@@ -139,13 +154,15 @@ class Scheduler:
         return bool(self.seqs)
 
     def schedule(self) -> ScheduledBatch:
-        plan = _Plan(self.engine_config.max_num_batched_tokens)
+        config = self.engine_config
+        plan = _Plan(config.max_num_batched_tokens,
+                     config.max_blended_rows if self.row_planner is not None else config.max_num_batched_tokens)
         alone, self._alone = self._alone, None
         if alone is not None and not alone.is_finished and self._schedule_alone(alone, plan):
             return self._batch(plan)
         # A decode whose pending token is its max_tokens-th finishes when that token lands: not scheduled again.
         for seq in [s for s in self.running if s.num_uncomputed_tokens == 1 and not s.pending_is_last]:
-            if plan.budget <= 0:
+            if plan.full:
                 break
             if seq.status is SequenceStatus.RUNNING:   # not preempted earlier in this loop
                 self._reserve(seq, 1, plan)
@@ -156,7 +173,7 @@ class Scheduler:
         # arrivals turning into decodes could starve it.
         chunk_waits = False
         for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
-            if plan.budget <= 0 or self._alone is not None:
+            if plan.full or self._alone is not None:
                 break
             if seq.status is SequenceStatus.RUNNING:
                 n = self._chunk(seq, plan)
@@ -178,9 +195,17 @@ class Scheduler:
                     batch.row_plans[s.seq_id] = rows
         return batch
 
+    def _counted(self, seq: Sequence, n: int, computed: int | None = None) -> int:
+        """The rows seq's next n tokens (from `computed`, default its own count) count against the budget."""
+        if self.row_planner is None:
+            return n
+        computed = seq.num_computed_tokens if computed is None else computed
+        return self.row_planner.counted_rows(seq, computed, n, self.page_pool.page_size)
+
     def _chunk(self, seq: Sequence, plan: _Plan, computed: int | None = None) -> int:
         """Tokens seq computes next, from `computed` tokens (default: its own count): up to its next caller
-        boundary, else what the budget leaves.
+        boundary, else what the budget leaves. A caller chunk fits when its counted rows fit the budget left and
+        its rows the rows left (a blended prefill counts fewer rows than it has: `RowPlanner.counted_rows`).
 
         0: waits for a later step; -1: its oversized chunk must run alone, nothing more is scheduled now.
         """
@@ -188,9 +213,10 @@ class Scheduler:
         if not seq.follows_chunk_sizes(computed):
             return max(0, min(seq.num_tokens - computed, plan.prefill_budget))
         want = seq.next_chunk_end(computed) - computed
-        if want <= plan.budget:
+        counted = self._counted(seq, want, computed)
+        if counted <= plan.budget and want <= plan.rows:
             return want
-        if want > self.engine_config.max_num_batched_tokens:
+        if counted > self.engine_config.max_num_batched_tokens or want > plan.max_rows:
             if not plan.tokens:
                 return want
             self._alone = seq
@@ -205,8 +231,9 @@ class Scheduler:
             self._preempt(victim, plan)
             if victim is seq:
                 return False
+        counted = self._counted(seq, n)   # after any preemption of seq's own (which recomputes exactly)
         bm.allocate(seq, n)
-        plan.add(seq, n)
+        plan.add(seq, n, counted)
         return True
 
     def _preempt(self, seq: Sequence, plan: _Plan) -> None:
@@ -220,7 +247,7 @@ class Scheduler:
 
     def _admit(self, plan: _Plan) -> None:
         """Admit waiting seqs in order while budget, seq cap and pages allow; none in a step that preempted."""
-        while self.waiting and not plan.preempted and plan.budget > 0 \
+        while self.waiting and not plan.preempted and not plan.full \
                 and len(self.running) < self.engine_config.max_num_seqs:
             seq = self.waiting[0]
             if not self._try_admit(seq, plan):
@@ -237,7 +264,7 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.arrival)
         pool.allocate(seq, n)
-        plan.add(seq, n)
+        plan.add(seq, n, self._counted(seq, n))
         return True
 
     def _schedule_alone(self, seq: Sequence, plan: _Plan) -> bool:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from chunkwise.chunks import Blend, ChunkReuse
-from chunkwise.engine.blend.planning import BlendJob, plan_blend
+from chunkwise.engine.blend.planning import BlendJob, layer_rows, plan_blend
 from chunkwise.engine.blend.report import blend_report
 from chunkwise.engine.row_plan import HostRows, RowPlan
 
@@ -34,13 +34,28 @@ class Blender:
         # O(tokens) (its bytes) or O(pages) (a Python step per page)
         self.chains: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
-    def plan(self, seq, pool) -> RowPlan | None:
-        """The row plan of `seq`'s prefill in the step being scheduled, or None: a request that does not blend,
-        a prompt already computed, or a recompute after a preemption (exact)."""
+    @staticmethod
+    def _blends(seq, computed: int) -> bool:
+        """Whether `seq`'s prefill from `computed` tokens blends: not a request that does not, a prompt already
+        computed, or a recompute after a preemption (exact)."""
         request = seq.request
-        if (request is None or not isinstance(request.reuse, Blend) or request.pieces is None
-                or seq.num_preemptions or seq.num_computed_tokens >= seq.num_prompt_tokens):
+        return not (request is None or not isinstance(request.reuse, Blend) or request.pieces is None
+                    or seq.num_preemptions or computed >= seq.num_prompt_tokens)
+
+    def counted_rows(self, seq, computed: int, n: int, page_size: int) -> int:
+        """The rows `seq`'s prefill of n tokens from `computed` counts against a step's budget: n, or for a blended
+        one its rows computed per layer on average (rounded up; `layer_rows`). Its placed rows cost a copy, not a
+        layer's work."""
+        if not self._blends(seq, computed):
+            return n
+        rows = layer_rows(seq.request.reuse, seq.request.pieces, computed, self.num_layers, page_size)
+        return -(-sum(rows) // len(rows))
+
+    def plan(self, seq, pool) -> RowPlan | None:
+        """The row plan of `seq`'s prefill in the step being scheduled, or None where it does not blend."""
+        if not self._blends(seq, seq.num_computed_tokens):
             return None
+        request = seq.request
         job = plan_blend(request.reuse, request.pieces, seq.num_computed_tokens, pool, self.num_layers,
                          lambda piece: self._chain_pages(piece, pool))
         self.records[seq.seq_id] = _Record(job, request.pieces)

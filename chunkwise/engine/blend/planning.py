@@ -27,6 +27,33 @@ from chunkwise.engine.blend.policy import check_layers, check_ratios, num_kept
 from chunkwise.engine.row_plan import RowPlan
 
 
+def layer_rows(params: Blend, pieces: tuple[Piece, ...], start: int, num_layers: int, page_size: int) -> list[int]:
+    """The rows a blended prefill of `pieces` from `start` computes at each layer, past that layer's selection, as
+    `plan_blend` plans it while every chunk piece's variant is cached: its O(pieces) count before the plan, for the
+    scheduler's budget. A variant whose pages were evicted since has fewer candidates, so more rows are computed."""
+    total = sum(p.num_tokens for p in pieces)
+    rows, candidates, heads, first = total - start, 0, 0, 0
+    for p in pieces:
+        if p.chunk is not None and p.context is not None:
+            n_ctx = len(p.context)
+            cached = max((n_ctx + p.num_tokens) // page_size * page_size - n_ctx, 0)
+            lo, hi = max(first, start), min(first + cached, total - 1)
+            candidates += max(hi - lo, 0)
+            head = math.floor(params.recompute_ratio * p.num_tokens + 0.5)
+            heads += max(min(hi, first + head) - lo, 0)
+        first += p.num_tokens
+    fixed = rows - candidates
+    if params.policy == "chunk-heads":
+        return [fixed + heads] * num_layers
+    if params.recompute_ratio == 0 or candidates == 0:
+        return [fixed] * num_layers
+    if not check_layers(num_layers):   # one layer: every row computed
+        return [rows] * num_layers
+    kept = np.minimum.accumulate([num_kept(x, candidates) for x in check_ratios(params.recompute_ratio, num_layers)])
+    last = check_layers(num_layers)[-1]
+    return [rows] + [fixed + int(k) for k in kept] + [fixed + int(kept[-1])] * (num_layers - 1 - last)
+
+
 @dataclass(frozen=True)
 class BlendJob:
     """One blended prefill of rows [start, start + R) of a sequence: its row plan (candidates are its placed rows)
