@@ -663,6 +663,20 @@ MUTANTS = [
            "            cached = p.num_tokens\n",
            "the scheduler counts a chunk's tail past its last full page as placed, though the prefix cache holds only "
            "full pages, so the plan computes more rows than the budget took"),
+    Mutant("blend_graph_tail_rows_bucketed_coarsely", "chunkwise/engine/blend_graphs.py::BlendGraphs.key_for",
+           "tuple(head_bucket(k) for k in kept[:-1]) + tuple(tail_bucket(k) for k in kept[-1:])",
+           "tuple(head_bucket(k) for k in kept)",
+           "the rows kept after the last check layer take the coarse buckets of the layers before it, padding every "
+           "later layer by up to an eighth"),
+    Mutant("blend_graph_decodes_unpadded", "chunkwise/engine/blend_graphs.py::BlendGraphs.key_for",
+           "_pow2_at_least(max(d, real // DECODE_PAD_SHARE))",
+           "_pow2_at_least(d)",
+           "a blend graph's decodes are keyed by their own power of two however many prefill rows beside them, so "
+           "steps of several blended prefills meet a new graph to capture for every decode count"),
+    Mutant("head_bucket_pads_a_quarter", "chunkwise/engine/cuda_graphs.py::head_bucket",
+           "    step = max(TAIL_ROWS_STEP, (1 << (n.bit_length() - 1)) // STEPS_PER_OCTAVE)\n",
+           "    step = max(TAIL_ROWS_STEP, (1 << (n.bit_length() - 1)) // (STEPS_PER_OCTAVE // 2))\n",
+           "a blend graph's first layers are padded by up to a quarter of their rows, not an eighth"),
     # ---- the accepting side of every limit (issue 32: checks that refuse too much passed CI) --------------------
     Mutant('max_model_len_refuses_a_request_of_exactly_it', 'chunkwise/requests.py::validate_requests',
            'admits(len(tokens) + p.max_tokens, max_model_len=max_model_len)',

@@ -13,8 +13,8 @@ from hypothesis import example, given, settings, strategies as st
 from chunkwise.checkpoints import TINY_VOCAB_SIZE as VOCAB
 from chunkwise.engine import Engine, SamplingParams
 from chunkwise.chunks import Blend
-from chunkwise.engine.cuda_graphs import (PREFILL_SEQS, ROWS_STEP, TAIL_FINE_ROWS, TAIL_ROWS_STEP, StepGraphs,
-                                         tail_bucket)
+from chunkwise.engine.cuda_graphs import (PREFILL_SEQS, ROWS_STEP, STEPS_PER_OCTAVE, TAIL_FINE_ROWS, TAIL_ROWS_STEP,
+                                         StepGraphs, head_bucket, tail_bucket)
 from chunkwise.engine.host_step import synthetic_step
 from tests.draws import costly
 
@@ -60,7 +60,8 @@ def test_a_blend_graph_holds_a_row_planned_step_of_up_to_its_rows_prefills_and_d
     """BlendGraphs.key_for at its limits: max_rows rows (decodes included) run and one more is refused, PREFILL_SEQS
     prefills run and one more is refused, as many decodes as the runner's sequences run and one more is refused, a
     step with cascade groups takes the key it has without them, a step with no row plan is refused, and max_rows 0
-    is off; each check layer's kept rows are bucketed and never more than the rows before it."""
+    is off; each check layer's kept rows are bucketed and never more than the rows before it; decodes are padded to
+    a share of the prefill rows."""
     from chunkwise.engine.blend_graphs import BlendGraphs
     from chunkwise.engine.row_plan import HostRows
 
@@ -84,6 +85,14 @@ def test_a_blend_graph_holds_a_row_planned_step_of_up_to_its_rows_prefills_and_d
     for rows in range(1, 101):
         (r, _, _, kept) = graphs.key_for(step(rows, kept=(rows, max(1, rows // 2), 1)))
         assert r >= rows and r >= kept[0] >= kept[1] >= kept[2] >= 1
+    graphs.max_rows = 10_000   # above 2,048 rows the layers up to the last check coarser, the later ones not
+    assert graphs.key_for(step(9000, kept=(6000, 5000, 4200))) == (9216, 0, (1, 2, 3), (6144, 5120, 4352))
+    graphs.max_decodes = 1000   # decodes padded to a 64th of the prefill rows, a power of two, at most the runner's
+    assert [graphs.key_for(step(9000, decodes=d))[1] for d in (0, 3, 200, 300)] == [0, 256, 256, 512]
+    assert graphs.key_for(step(9000 - 900, decodes=900))[1] == 1024
+    graphs.max_decodes = 200
+    assert graphs.key_for(step(9000, decodes=3))[1] == 256 and graphs.key_for(step(640, decodes=3))[1] == 16
+    graphs.max_rows, graphs.max_decodes = 100, 4
     cascade = step(40, decodes=2)
     cascade.cascade = object()   # its decodes share splits: the graph reads them as split-KV does
     assert graphs.key_for(cascade) == graphs.key_for(step(40, decodes=2)) is not None
@@ -192,6 +201,15 @@ def test_mixed_steps_over_the_static_inputs_give_the_eager_steps_bits_in_determi
     if graph_tokens >= budget:   # every prefill step fits a graph (with fewer, a draw may have none that does)
         assert staged, "no mixed step was staged"
     assert eng.page_pool.num_free_pages == eng.page_pool.num_pages
+
+
+def test_every_head_bucket_holds_its_rows_with_an_eighth_of_padding_at_most_and_no_less_than_the_tail_bucket():
+    for n in list(range(1, 5000)) + list(range(5000, 70_000, 37)):
+        rows = head_bucket(n)
+        assert tail_bucket(n) <= rows and rows % 16 == 0
+        assert rows == tail_bucket(n) if n <= TAIL_FINE_ROWS else rows - n < max(TAIL_ROWS_STEP, n / STEPS_PER_OCTAVE)
+    # 2,048 to 4,096 by 256, then 8 buckets an octave: 8 + 3 * 8 up to 32,768
+    assert len({head_bucket(n) for n in range(TAIL_FINE_ROWS + 1, 32_769)}) == 8 + 3 * 8
 
 
 def test_every_tail_bucket_holds_its_rows_with_bounded_padding():

@@ -2,8 +2,9 @@
 layer 0, the check layers with their deviation, selection and narrowing on the device, then the later layers and
 the logits. Eagerly its check layers cost some 35 launches each, far more than their rows' work.
 
-A graph's key is (prefill rows, decode rows, check layers, prefill rows kept after each): the prefill rows padded
-to `tail_bucket`, the decodes to the next power of two, each check layer's kept rows to `tail_bucket` too. The
+A graph's key is (prefill rows, decode rows, check layers, prefill rows kept after each): the rows of the layers up
+to the last check layer padded to `head_bucket` (coarser above 2,048 rows: a few layers' work), the decodes to the
+next power of two (and to DECODE_PAD_SHARE's share of the prefill rows), the rows kept after the last check layer (every later layer's) to `tail_bucket`. The
 layout is a mixed graph's (chunkwise/engine/cuda_graphs.py): prefill rows first (real, then padding that belongs to
 no sequence and stores nothing), then the decodes (real, then padding: one token, row 0 of the tables), PREFILL_SEQS
 prefilling sequences. A check layer selects on the device (`row_plan.select_padded`): rows grouped by segment and
@@ -28,12 +29,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from chunkwise.engine.cuda_graphs import PREFILL_SEQS, tail_bucket
+from chunkwise.engine.cuda_graphs import PREFILL_SEQS, head_bucket, tail_bucket
 from chunkwise.engine.host_step import ALIGN, HostStep, fill_pending
 from chunkwise.engine.kv_cache import KVCache
 from chunkwise.engine.model import Model, StepInputs
 from chunkwise.engine.row_plan import PaddedSelection, RowInputs, RowSelection
 
+# Decodes beside a blend's prefill rows are padded to at least 1/DECODE_PAD_SHARE of those rows (then to a power of
+# two, at most the runner's sequences'): a padding decode costs a GEMM row and a one-token read, so steps whose decode
+# counts differ share a graph for under 1/32 more rows.
+DECODE_PAD_SHARE = 64
 SEGMENTS = PREFILL_SEQS + 2   # a check layer's segments: a prefill's each, one run of whole ones, the padding's
 Key = tuple[int, int, tuple[int, ...], tuple[int, ...]]   # (prefill rows, decode rows, check layers, kept rows)
 
@@ -105,8 +110,10 @@ class BlendGraphs:
         if real + d > self.max_rows or d > self.max_decodes:
             return None
         layers = tuple(sorted(plan.checks))
-        return (tail_bucket(real), _pow2_at_least(d) if d else 0, layers,
-                tuple(tail_bucket(int(plan.checks[i][1][-1])) for i in layers))
+        kept = [int(plan.checks[i][1][-1]) for i in layers]
+        decodes = min(_pow2_at_least(max(d, real // DECODE_PAD_SHARE)), _pow2_at_least(self.max_decodes)) if d else 0
+        return (head_bucket(real), decodes, layers,
+                tuple(head_bucket(k) for k in kept[:-1]) + tuple(tail_bucket(k) for k in kept[-1:]))
 
     def _static(self, key: Key) -> _Static:
         if key in self.statics:

@@ -23,7 +23,7 @@ int32, the fields of `at32` (decode seq lens, prefill seq lens, query_start_loc,
 Page tables: `static_tables`, PREFILL_SEQS prefill rows then the decodes'.
 
 Steps with a row plan (a blend's) replay graphs of their own, chunkwise/engine/blend_graphs.py; their rows are
-bucketed by `tail_bucket`.
+bucketed by `head_bucket` up to their last check layer and by `tail_bucket` after it.
 """
 from __future__ import annotations
 
@@ -69,6 +69,21 @@ TAIL_ROWS_STEP = 256
 def tail_bucket(n: int) -> int:
     """A blend graph's rows for n: row_bucket up to TAIL_FINE_ROWS, then the next multiple of TAIL_ROWS_STEP."""
     return row_bucket(n) if n <= TAIL_FINE_ROWS else -(-n // TAIL_ROWS_STEP) * TAIL_ROWS_STEP
+
+
+# A blend graph's rows before its last check layer (layer 0, the check layers) run a few layers of 28: above
+# TAIL_FINE_ROWS they take STEPS_PER_OCTAVE buckets between powers of two (at most 1/8 padding there), so steps of
+# several blended prefills, whose rows vary with each one's exact prefix, meet fewer keys to capture.
+STEPS_PER_OCTAVE = 8
+
+
+def head_bucket(n: int) -> int:
+    """A blend graph's rows for n rows before its last check layer: tail_bucket's, or above TAIL_FINE_ROWS the next
+    multiple of the larger of TAIL_ROWS_STEP and 1/STEPS_PER_OCTAVE of the power of two at or below n."""
+    if n <= TAIL_FINE_ROWS:
+        return tail_bucket(n)
+    step = max(TAIL_ROWS_STEP, (1 << (n.bit_length() - 1)) // STEPS_PER_OCTAVE)
+    return -(-n // step) * step
 
 
 class StepGraphs:
