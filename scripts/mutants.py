@@ -623,13 +623,13 @@ MUTANTS = [
            "a decode whose pending token is its last is scheduled again, computing past max_tokens"),
     # ---- the prefill cap of a step that decodes (max_prefill_tokens_with_decodes) ------------------------------------
     Mutant("decode_step_prefill_cap_ignored", "chunkwise/engine/scheduler.py::_Plan.prefill_budget",
-           "        return min(self.budget, self.prefill_cap - sum(self.capped.values()))\n",
-           "        return self.budget\n",
+           "        return min(self.budget, self.rows, self.prefill_cap - sum(self.capped.values()))\n",
+           "        return min(self.budget, self.rows)\n",
            "the cap is set once a step decodes, but a prefill split by the budget still takes all the budget left, so "
            "every decoding user waits for a full-budget prefill"),
     Mutant("decode_step_prefill_cap_per_sequence", "chunkwise/engine/scheduler.py::_Plan.prefill_budget",
-           "        return min(self.budget, self.prefill_cap - sum(self.capped.values()))\n",
-           "        return min(self.budget, self.prefill_cap)\n",
+           "        return min(self.budget, self.rows, self.prefill_cap - sum(self.capped.values()))\n",
+           "        return min(self.budget, self.rows, self.prefill_cap)\n",
            "each prefill beside the decodes gets the whole cap for itself instead of sharing it, so a step with "
            "several prompts prefilling exceeds it"),
     Mutant("decode_step_prefill_cap_kept_by_a_preempted_prefill", "chunkwise/engine/scheduler.py::_Plan.drop",

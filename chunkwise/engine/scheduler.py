@@ -197,9 +197,9 @@ class Scheduler:
 
     def _counted(self, seq: Sequence, n: int, computed: int | None = None) -> int:
         """The rows seq's next n tokens (from `computed`, default its own count) count against the budget."""
-        if self.row_planner is None:
-            return n
         computed = seq.num_computed_tokens if computed is None else computed
+        if self.row_planner is None or computed >= seq.num_prompt_tokens:   # a decode: no plan, nothing to ask
+            return n
         return self.row_planner.counted_rows(seq, computed, n, self.page_pool.page_size)
 
     def _chunk(self, seq: Sequence, plan: _Plan, computed: int | None = None) -> int:
