@@ -4,7 +4,8 @@ the logits. Eagerly its check layers cost some 35 launches each, far more than t
 
 A graph's key is (prefill rows, decode rows, check layers, prefill rows kept after each): the rows of the layers up
 to the last check layer padded to `head_bucket` (coarser above 2,048 rows: a few layers' work), the decodes to the
-next power of two (and to DECODE_PAD_SHARE's share of the prefill rows), the rows kept after the last check layer (every later layer's) to `tail_bucket`. The
+next power of two (and to DECODE_PAD_SHARE's share of the prefill rows), the rows kept after the last check layer
+(every later layer's) to `tail_bucket`. The
 layout is a mixed graph's (chunkwise/engine/cuda_graphs.py): prefill rows first (real, then padding that belongs to
 no sequence and stores nothing), then the decodes (real, then padding: one token, row 0 of the tables), PREFILL_SEQS
 prefilling sequences. A check layer selects on the device (`row_plan.select_padded`): rows grouped by segment and

@@ -71,7 +71,7 @@ def tail_bucket(n: int) -> int:
     return row_bucket(n) if n <= TAIL_FINE_ROWS else -(-n // TAIL_ROWS_STEP) * TAIL_ROWS_STEP
 
 
-# A blend graph's rows before its last check layer (layer 0, the check layers) run a few layers of 28: above
+# A blend graph's rows before its last check layer (layer 0, the check layers) run a few of the model's layers: above
 # TAIL_FINE_ROWS they take STEPS_PER_OCTAVE buckets between powers of two (at most 1/8 padding there), so steps of
 # several blended prefills, whose rows vary with each one's exact prefix, meet fewer keys to capture.
 STEPS_PER_OCTAVE = 8
