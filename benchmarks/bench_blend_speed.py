@@ -46,7 +46,7 @@ import torch
 from benchmarks.bench_engine import QWEN3_0_6B_SHAPE, ceilings, ckpt  # noqa: F401  (fixtures: the same model, ceilings measured once)
 from benchmarks.roofline import ModelCost, layered_prefill, workload_roofline
 from chunkwise.chunks import Blend
-from chunkwise.engine.blend import check_ratios, num_kept
+from chunkwise.engine.blend import kept_counts, num_kept
 from chunkwise.engine import Engine, SamplingParams
 from chunkwise.model_config import ModelConfig
 
@@ -119,7 +119,7 @@ def computed_rows(mode, reuse, num_cached: int, prompt_len: int, num_layers: int
     r = mode.recompute_ratio
     if r == 0:
         return [fixed] * num_layers, n
-    checks = [fixed + num_kept(x, n) for x in check_ratios(r, num_layers)]
+    checks = [fixed + k for k in kept_counts(r, n, num_layers)]
     return [fixed + n] + checks + [fixed + num_kept(r, n)] * (num_layers - 1 - len(checks)), n
 
 

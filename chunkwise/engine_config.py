@@ -129,6 +129,15 @@ class EngineConfig:
         object.__setattr__(config, "model_config", model_config)
         return config
 
+    def blend_refusal(self) -> str | None:
+        """What keeps an engine of this config from blending, in words that follow "reuse=...", or None."""
+        if not self.enable_prefix_caching:
+            return "needs enable_prefix_caching=True: a chunk's own K/V are kept in the prefix cache"
+        if self.tensor_parallel_size > 1:
+            return (f"is not supported with tensor_parallel_size={self.tensor_parallel_size} (blended prefills run "
+                    f"on one device)")
+        return None
+
     @property
     def max_blended_rows(self) -> int:
         """The most rows, placed ones included, a step holding blended prefills takes at layer 0 (decodes too)."""

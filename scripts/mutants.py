@@ -653,9 +653,17 @@ MUTANTS = [
            "        if counted <= plan.budget:\n",
            "blended prefills join a step while their counted rows fit the budget, whatever their rows at layer 0: "
            "more than the activations and blend graphs are sized for"),
+    Mutant("planned_chunk_refused_at_the_budget_exactly", "chunkwise/engine/scheduler.py::Scheduler._chunk",
+           "        if counted <= plan.budget and want <= plan.rows:\n",
+           "        if counted < plan.budget and want <= plan.rows:\n",
+           "a blended prefill whose counted rows fill the budget left exactly waits for a later step"),
+    Mutant("planned_chunk_refused_at_the_steps_rows_exactly", "chunkwise/engine/scheduler.py::Scheduler._chunk",
+           "        if counted <= plan.budget and want <= plan.rows:\n",
+           "        if counted <= plan.budget and want < plan.rows:\n",
+           "a blended prefill whose rows fill the step's max_blended_rows exactly waits for a later step"),
     Mutant("blend_count_skips_the_check_layers", "chunkwise/engine/blend/planning.py::layer_rows",
-           "    return [rows] + [fixed + int(k) for k in kept] + [fixed + int(kept[-1])] * (num_layers - 1 - last)\n",
-           "    return [rows] + [fixed + int(kept[-1])] * (num_layers - 1)\n",
+           "    return [rows] + [fixed + k for k in kept] + [fixed + kept[-1]] * (num_layers - 1 - len(kept))\n",
+           "    return [rows] + [fixed + kept[-1]] * (num_layers - 1)\n",
            "the scheduler's count of a kv-deviation blend takes its check layers at the final ratio, not the gradual "
            "filter's larger shares"),
     Mutant("blend_count_takes_a_chunks_partial_page", "chunkwise/engine/blend/planning.py::layer_rows",
@@ -1309,8 +1317,8 @@ MUTANTS = [
            "an adaptive blend plans no groups: the fast engine keeps kv-deviation's most deviating candidates of the "
            "whole prompt, not each chunk's share"),
     Mutant("blend_budget_grows_a_place_per_piece", "chunkwise/engine/blend/planning.py::plan_blend",
-           "[num_kept(x, n) for x in check_ratios(",
-           "[num_kept(x, n) + len(pieces) for x in check_ratios(",
+           "kept = kept_counts(params.recompute_ratio, n, num_layers)",
+           "kept = tuple(k + len(pieces) for k in kept_counts(params.recompute_ratio, n, num_layers))",
            "a blend's check layers keep a place per piece on top of k(r_l): the recomputed total exceeds the budget r"),
     # issue #50 §3, the blend quality benchmark (benchmarks/bench_blend_quality.py and its parts)
     Mutant("quality_bootstrap_unpaired", "benchmarks/paired_bootstrap.py::paired_bootstrap",

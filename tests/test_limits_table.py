@@ -351,6 +351,8 @@ VALIDATING_FUNCTIONS = {"chunkwise/reference/engine.py": {"__init__", "register_
                         "chunkwise/engine/llm_engine.py": {"__init__", "register_chunk", "_check_pin_cap", "unpin",
                                                            "add_request"}}
 NOT_LIMITS = {
+    ("chunkwise/engine_config.py", "blend_refusal", "self.tensor_parallel_size > 1"):
+        "whether a valid tensor_parallel_size can blend (one rank only), not its admission",
     ("chunkwise/sampling.py", "greedy", "self.temperature < GREEDY_TEMPERATURE"):
         "which sampler a valid temperature takes (greedy below the threshold), not its admission",
     ("chunkwise/sampling.py", "sampling_probs", "params.top_p < 1.0"): "sampling: whether top-p cuts at all",

@@ -346,6 +346,43 @@ def test_a_caller_chunk_larger_than_the_budget_runs_alone():
     assert steps == [[(0, 1)], [(1, 10)], [(0, 1), (1, 1)]]
 
 
+class CountingPlanner:
+    """A row planner that makes no plans and counts each sequence's caller chunk as `counted[seq_id]` rows."""
+
+    def __init__(self, counted: dict[int, int]):
+        self.counted = counted
+
+    def plan(self, seq, pool):
+        return None
+
+    def approximate_from(self, seq):
+        return None
+
+    def counted_rows(self, seq, computed, n, page_size):
+        return self.counted[seq.seq_id]
+
+
+@pytest.mark.parametrize("rows, counted, admitted", [
+    ((20, 20), (4, 4), [0, 1]),   # 40 rows: the step's rows exactly
+    ((20, 21), (4, 4), [0]),      # 41 rows: one past
+    ((20, 20), (6, 4), [0, 1]),   # 10 counted: the budget exactly
+    ((20, 20), (6, 5), [0]),      # 11 counted: one past
+])
+def test_planned_chunks_share_a_step_while_their_counted_rows_fit_the_budget_and_their_rows_the_steps(
+        rows, counted, admitted):
+    """A caller chunk counts the rows its row planner says against the budget (`RowPlanner.counted_rows`, a
+    blend's computed ones) and all its rows against the step's `max_blended_rows`: each limit admits a chunk that
+    reaches it exactly and refuses one past it."""
+    limits = SimpleNamespace(max_num_batched_tokens=10, max_blended_rows=40, max_num_seqs=8,
+                             max_prefill_tokens_with_decodes=None)
+    sched = Scheduler(limits, PagePool(64, 4), row_planner=CountingPlanner(dict(enumerate(counted))))
+    for i, n in enumerate(rows):
+        sched.add(Sequence(i, list(range(1, n + 1)), chunk_sizes=[n]))
+    batch = sched.schedule()
+    assert [s.seq_id for s in batch.seqs] == admitted
+    assert batch.num_new_tokens == [rows[i] for i in admitted]
+
+
 def test_a_waiting_caller_chunk_keeps_newcomers_out_so_it_is_not_starved():
     sched = make(budget=4)
     a = Sequence(0, [1, 2, 3, 4], chunk_sizes=[1, 3])

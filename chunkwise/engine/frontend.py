@@ -18,12 +18,9 @@ PREFIX_PARAMS = SamplingParams(max_tokens=1, ignore_eos=True)   # a prefix job's
 
 def check_blend(config: EngineConfig, blend, index: int = 0) -> None:
     """ValueError naming what keeps an engine of this config from serving reuse=`blend` (prompt `index`)."""
-    if not config.enable_prefix_caching:
-        raise ValueError(f"prompt {index}: reuse={blend!r} needs enable_prefix_caching=True: a chunk's own K/V are "
-                         f"kept in the prefix cache")
-    if config.tensor_parallel_size > 1:
-        raise ValueError(f"prompt {index}: reuse={blend!r} is not supported with tensor_parallel_size="
-                         f"{config.tensor_parallel_size} (blended prefills run on one device)")
+    reason = config.blend_refusal()
+    if reason is not None:
+        raise ValueError(f"prompt {index}: reuse={blend!r} {reason}")
 
 
 class Frontend:

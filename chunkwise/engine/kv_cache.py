@@ -39,10 +39,8 @@ def pool_size(config: EngineConfig, kv_heads: int, device: torch.device) -> int:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = min(free, total * config.gpu_memory_utilization - (total - free))
-        # A step of blended prefills holds up to max_blended_rows rows at layer 0; blending needs the prefix cache
-        # and one rank (chunkwise/engine/frontend.py refuses it otherwise).
-        blends = config.enable_prefix_caching and config.tensor_parallel_size == 1
-        rows = config.max_blended_rows if blends else config.max_num_batched_tokens
+        # A step of blended prefills holds up to max_blended_rows rows at layer 0, where this config can blend.
+        rows = config.max_blended_rows if config.blend_refusal() is None else config.max_num_batched_tokens
         budget -= activation_reserve(cfg, rows, config.max_num_seqs, config.dtype)
         default = int(budget // per_page)
     else:

@@ -176,10 +176,10 @@ class Scheduler:
             if plan.full or self._alone is not None:
                 break
             if seq.status is SequenceStatus.RUNNING:
-                n = self._chunk(seq, plan)
+                n, counted = self._chunk(seq, plan)
                 chunk_waits |= n == 0 and seq.follows_chunk_sizes(seq.num_computed_tokens)
                 if n > 0:
-                    self._reserve(seq, n, plan)
+                    self._reserve(seq, n, plan, counted)
         if self._alone is None and not chunk_waits:
             self._admit(plan)
         return self._batch(plan)
@@ -195,43 +195,39 @@ class Scheduler:
                     batch.row_plans[s.seq_id] = rows
         return batch
 
-    def _counted(self, seq: Sequence, n: int, computed: int | None = None) -> int:
-        """The rows seq's next n tokens (from `computed`, default its own count) count against the budget."""
-        computed = seq.num_computed_tokens if computed is None else computed
-        if self.row_planner is None or computed >= seq.num_prompt_tokens:   # a decode: no plan, nothing to ask
-            return n
-        return self.row_planner.counted_rows(seq, computed, n, self.page_pool.page_size)
+    def _chunk(self, seq: Sequence, plan: _Plan, computed: int | None = None) -> tuple[int, int]:
+        """(tokens seq computes next, from `computed` tokens (default: its own count), the rows they count against
+        the budget): up to its next caller boundary, else what the budget leaves. A caller chunk fits when its
+        counted rows fit the budget left and its rows the rows left (a blended prefill counts fewer rows than it
+        has: `RowPlanner.counted_rows`); a chunk split by the budget counts its tokens.
 
-    def _chunk(self, seq: Sequence, plan: _Plan, computed: int | None = None) -> int:
-        """Tokens seq computes next, from `computed` tokens (default: its own count): up to its next caller
-        boundary, else what the budget leaves. A caller chunk fits when its counted rows fit the budget left and
-        its rows the rows left (a blended prefill counts fewer rows than it has: `RowPlanner.counted_rows`).
-
-        0: waits for a later step; -1: its oversized chunk must run alone, nothing more is scheduled now.
+        0 tokens: waits for a later step; -1: its oversized chunk must run alone, nothing more is scheduled now.
         """
         computed = seq.num_computed_tokens if computed is None else computed
         if not seq.follows_chunk_sizes(computed):
-            return max(0, min(seq.num_tokens - computed, plan.prefill_budget))
+            n = max(0, min(seq.num_tokens - computed, plan.prefill_budget))
+            return n, n
         want = seq.next_chunk_end(computed) - computed
-        counted = self._counted(seq, want, computed)
+        counted = want if self.row_planner is None else \
+            self.row_planner.counted_rows(seq, computed, want, self.page_pool.page_size)
         if counted <= plan.budget and want <= plan.rows:
-            return want
+            return want, counted
         if counted > self.engine_config.max_num_batched_tokens or want > plan.max_rows:
             if not plan.tokens:
-                return want
+                return want, counted
             self._alone = seq
-            return -1
-        return 0
+            return -1, 0
+        return 0, 0
 
-    def _reserve(self, seq: Sequence, n: int, plan: _Plan) -> bool:
-        """Pages for n more tokens of running seq, preempting the newest running seqs; False if seq itself was."""
+    def _reserve(self, seq: Sequence, n: int, plan: _Plan, counted: int = 1) -> bool:
+        """Pages for n more tokens of running seq (`counted` rows of the budget: a decode's one by default),
+        preempting the newest running seqs; False if seq itself was."""
         bm = self.page_pool
         while not bm.can_allocate(seq, n):
             victim = self.running[-1]
             self._preempt(victim, plan)
             if victim is seq:
                 return False
-        counted = self._counted(seq, n)   # after any preemption of seq's own (which recomputes exactly)
         bm.allocate(seq, n)
         plan.add(seq, n, counted)
         return True
@@ -256,7 +252,7 @@ class Scheduler:
     def _try_admit(self, seq: Sequence, plan: _Plan) -> bool:
         pool = self.page_pool
         prefix = pool.probe_prefix(seq)
-        n = self._chunk(seq, plan, computed=len(prefix) * pool.page_size)
+        n, counted = self._chunk(seq, plan, computed=len(prefix) * pool.page_size)
         if n <= 0 or not pool.can_admit(prefix, n):
             return False
         pool.take_prefix(seq, prefix)
@@ -264,14 +260,14 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.arrival)
         pool.allocate(seq, n)
-        plan.add(seq, n, self._counted(seq, n))
+        plan.add(seq, n, counted)
         return True
 
     def _schedule_alone(self, seq: Sequence, plan: _Plan) -> bool:
         """The step that runs seq's oversized chunk and nothing else."""
         if seq.status is SequenceStatus.RUNNING:
-            n = self._chunk(seq, plan)
-            return n > 0 and self._reserve(seq, n, plan)
+            n, counted = self._chunk(seq, plan)
+            return n > 0 and self._reserve(seq, n, plan, counted)
         if len(self.running) >= self.engine_config.max_num_seqs:
             return False
         return self._try_admit(seq, plan)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from chunkwise.chunks import Blend, Piece
-from chunkwise.engine.blend.policy import check_layers, check_ratios, num_kept
+from chunkwise.engine.blend.policy import check_layers, kept_counts
 from chunkwise.engine.row_plan import RowPlan
 
 
@@ -47,11 +47,10 @@ def layer_rows(params: Blend, pieces: tuple[Piece, ...], start: int, num_layers:
         return [fixed + heads] * num_layers
     if params.recompute_ratio == 0 or candidates == 0:
         return [fixed] * num_layers
-    if not check_layers(num_layers):   # one layer: every row computed
+    kept = kept_counts(params.recompute_ratio, candidates, num_layers)
+    if not kept:   # one layer: every row computed
         return [rows] * num_layers
-    kept = np.minimum.accumulate([num_kept(x, candidates) for x in check_ratios(params.recompute_ratio, num_layers)])
-    last = check_layers(num_layers)[-1]
-    return [rows] + [fixed + int(k) for k in kept] + [fixed + int(kept[-1])] * (num_layers - 1 - last)
+    return [rows] + [fixed + k for k in kept] + [fixed + kept[-1]] * (num_layers - 1 - len(kept))
 
 
 @dataclass(frozen=True)
@@ -113,8 +112,7 @@ def plan_blend(params: Blend, pieces: tuple[Piece, ...], start: int, pool, num_l
     else:
         computed = np.ones(rows, bool)
         layers = check_layers(num_layers)
-        kept = tuple(np.minimum.accumulate([num_kept(x, n) for x in check_ratios(params.recompute_ratio,
-                                                                                   num_layers)]).tolist())
+        kept = kept_counts(params.recompute_ratio, n, num_layers)
     piece_rows = np.repeat(np.arange(len(pieces)), lengths)[start:]
     groups = group if layers and params.policy == "adaptive" else None
     return BlendJob(params, start, RowPlan(computed, candidate, src, firsts[owner] - n_ctx[owner], layers, kept,

@@ -12,6 +12,7 @@ row.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 MAX_CHECK_LAYERS = 3
@@ -25,6 +26,11 @@ def num_kept(ratio: float, n: int) -> int:
 def check_layers(num_layers: int) -> tuple[int, ...]:
     """The check layers 1..C of "kv-deviation" in a model of `num_layers` layers."""
     return tuple(range(1, min(MAX_CHECK_LAYERS, num_layers - 1) + 1))
+
+
+def kept_counts(r: float, n: int, num_layers: int) -> tuple[int, ...]:
+    """k(r_l) of n candidates at each check layer l = 1..C of "kv-deviation": non-increasing."""
+    return tuple(itertools.accumulate((num_kept(x, n) for x in check_ratios(r, num_layers)), min))
 
 
 def check_ratios(r: float, num_layers: int) -> list[float]:
