@@ -85,17 +85,18 @@ def _batch(heads, kv_heads, head_dim, dtype, lens, gen):
 
 def cases():
     """(name, launch): a few of the engines' Hopper configurations (a compile takes 2-60 s on a CPU, so not
-    every dtype and shape): prefill attention's 256-row bf16 tiles (with implicit and explicit positions), its
-    128-row tiles with the context split (as the engine's short steps take them), and with row sums by dot
+    every dtype and shape): prefill attention's 256-row bf16 tiles, its 128-row tiles with explicit positions and
+    the context split (as a blend's rows take them) and with the context split (as the engine's short steps take
+    them), and the 256-row tiles with row sums by dot
     (deterministic mode's), one-token decodes' 64 rows and deterministic mode's 16, split-KV's largest (fp32 d256)
     and cascade's shared-split tiles."""
     gen = torch.Generator().manual_seed(0)
     q, c = _batch(16, 8, 128, torch.bfloat16, [600, 40], gen)
     yield "paged_attention bf16 16q/8kv d128", lambda: paged_attention(
         q, c.k_cache, c.v_cache, c.page_tables, c.seq_lens, query_start_loc([1, 1]), 0.1)
-    yield "paged_attention bf16 16q/8kv d128 explicit positions", lambda: paged_attention(
+    yield "paged_attention bf16 16q/8kv d128 explicit positions (a blend's rows)", lambda: paged_attention(
         q, c.k_cache, c.v_cache, c.page_tables, c.seq_lens, query_start_loc([1, 1]), 0.1,
-        positions=torch.tensor([300, 39]))
+        positions=torch.tensor([300, 39]), split_size=2048, max_rows=128)
     yield "paged_attention bf16 16q/8kv d128 split context", lambda: paged_attention(
         q, c.k_cache, c.v_cache, c.page_tables, c.seq_lens, query_start_loc([1, 1]), 0.1, split_size=512,
         max_rows=128)

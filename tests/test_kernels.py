@@ -275,7 +275,7 @@ def test_paged_attention_rejects_bad_arguments_naming_them(change, match):
             fn(**args)
 
 
-def test_tiles_take_256_rows_only_where_shared_memory_holds_them_and_64_on_three_stages_on_hopper_when_capped():
+def test_tiles_take_256_rows_only_where_shared_memory_holds_them_and_capped_ones_three_stages_on_hopper():
     pa = importlib.import_module("chunkwise.kernels.paged_attention")   # the package re-exports the function of that name
     assert pa.shared_memory(torch.device("cpu")) == 0
     assert pa.tile_config(128, 2, torch.bfloat16, 0)[0] == 128
@@ -294,7 +294,9 @@ def test_tiles_take_256_rows_only_where_shared_memory_holds_them_and_64_on_three
     # a GQA group needs its rows, and 128 of them keep two stages (three would not fit)
     assert [pa.tile_config(128, 128, torch.bfloat16, smem, max_rows=64)
             for smem in (0, 227 * 1024)] == [(128, 128, 4, 2)] * 2
-    assert pa.tile_config(128, 2, torch.bfloat16, 227 * 1024, max_rows=128)[3] == 2   # the prefill's tiles as before
+    # capped 128-row tiles (a blend's rows, split prefills) pipeline a third stage on Hopper only; 256 rows keep two
+    assert [pa.tile_config(128, 2, torch.bfloat16, smem, max_rows=128)
+            for smem in (0, 164 * 1024, 227 * 1024)] == [(128, 128, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3)]
     assert pa.tile_config(128, 2, torch.bfloat16, 227 * 1024)[3] == 2
     assert pa.tile_config(128, 2, torch.float32, 227 * 1024)[0] == 64
 

@@ -20,13 +20,13 @@ def test_attention_kernels_and_matmul_compile_for_hopper_and_fit_its_shared_memo
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert {r["kernel"] for r in rows} == {"_paged_attention_kernel", "_split_kernel", "_shared_split_kernel",
                                            "_matmul_kernel"}
-    # The launcher took its Hopper tiles (the interpreter's 128 rows would not prove them), with implicit positions
-    # and with explicit ones; the split context's 128-row tiles, 4 key tiles a split; with row sums by dot; one-token
-    # decodes' 64, one program a sequence, on three stages, with row sums by dot on 16 (deterministic mode's) and,
-    # in a busy batch, 64 rows on one stage.
+    # The launcher took its Hopper tiles (the interpreter's two stages would not prove them): 256 rows; a blend's
+    # 128 at explicit positions, 16 key tiles a split, and the split context's, 4 a split, both on three stages; 256
+    # with row sums by dot; one-token decodes' 64, one program a sequence, on three stages, with row sums by dot on
+    # 16 (deterministic mode's) and, in a busy batch, 64 rows on one stage.
     assert [(r["BLOCK_M"], r["EXPLICIT_POSITIONS"], r["SPLIT_TILES"], r["ONE_TOKEN"], r["SUM_BY_DOT"],
              r["num_stages"]) for r in rows if r["kernel"] == "_paged_attention_kernel"] == [
-        (256, False, 0, False, False, 2), (256, True, 0, False, False, 2), (128, False, 4, False, False, 2),
+        (256, False, 0, False, False, 2), (128, True, 16, False, False, 3), (128, False, 4, False, False, 3),
         (256, False, 0, False, True, 2), (64, False, 0, True, False, 3), (16, False, 0, True, True, 3),
         (64, False, 0, True, False, 1)]
     # Two blocks an SM where the batch is busy: the point of its one stage.
