@@ -253,8 +253,10 @@ def test_mixed_steps_replay_graphs_with_the_eager_engines_bits_in_deterministic_
 @pytest.mark.gpu
 @pytest.mark.parametrize("blend", [Blend(0.3), Blend(0.25, "chunk-heads")], ids=["kv-deviation", "chunk-heads"])
 def test_blended_prefills_replay_blend_graphs_with_the_eager_engines_bits_in_deterministic_mode(blend):
-    """On the GPU, a blended prefill's whole step replays a blend graph (counted in the runner's launches), and a
-    deterministic bf16 engine's tokens and K/V equal an eager one's bit for bit."""
+    """On the GPU, a blended prefill's whole step goes through a blend graph (counted in the runner's launches): a
+    key's first step eagerly over its static inputs while its graph is captured, its later steps replayed (a second
+    round of prompts of the same lengths). A deterministic bf16 engine's tokens and K/V equal an eager one's bit for
+    bit in both rounds."""
     from chunkwise.checkpoints import tiny_checkpoint
 
     path = tiny_checkpoint("qwen3", num_hidden_layers=6)
@@ -267,10 +269,12 @@ def test_blended_prefills_replay_blend_graphs_with_the_eager_engines_bits_in_det
         with Engine(path, dtype="bfloat16", deterministic=True, enforce_eager=eager, **kw) as eng:
             chunks = [eng.register_chunk(d, pin=True) for d in docs]
             prompts = [[[5, 6], *chunks, [7, 8, 9]], [[10], chunks[2], chunks[0], [11]]]
-            outs = eng.generate(prompts, params, use_tqdm=False, reuse=blend)
-            runs[eager] = [o.token_ids for o in outs], eng.prefill_kv(prompts[0], reuse=blend), \
-                eng.executor.runner.launches
-    (tokens, kv, launches), (eager_tokens, eager_kv, eager_launches) = runs[False], runs[True]
-    assert launches["blend", "graph"] > 0 and not eager_launches["blend", "graph"], launches
+            again = [[[6, 5], *chunks, [9, 8, 7]], [[12], chunks[2], chunks[0], [13]]]   # the same keys
+            outs = [o.token_ids for p in (prompts, again) for o in eng.generate(p, params, use_tqdm=False, reuse=blend)]
+            runner = eng.executor.runner
+            captured = sum(static.graph is not None for static in runner.blend_graphs.statics.values())
+            runs[eager] = outs, eng.prefill_kv(prompts[0], reuse=blend), runner.launches, captured
+    (tokens, kv, launches, captured), (eager_tokens, eager_kv, eager_launches, _) = runs[False], runs[True]
+    assert launches["blend", "graph"] > captured > 0 and not eager_launches["blend", "graph"], (launches, captured)
     assert tokens == eager_tokens
     assert all(torch.equal(a, b) for a, b in zip(kv, eager_kv))

@@ -16,8 +16,8 @@ rows, segments, keep counts and query_start_locs into the key's static inputs (n
 waits for the selection: only `kept`, the rows the last layer computed, is read back, by the report, later.
 
 The K/V placement (`Model.place`, one launch per RoPE config) runs before the replay, outside the graph: its
-source and destination counts vary per step and a graph warm-up overwrites what it places. Keys are captured the
-first time they come, as tail graphs are. One device only (no tensor parallelism: `tensor_parallel_size > 1`
+source and destination counts vary per step. A key's first step runs eagerly over the static inputs, and its graph
+is captured right after (recorded, not run: the step is computed once). One device only (no tensor parallelism: `tensor_parallel_size > 1`
 refuses blending by name, chunkwise/engine/frontend.py). Decodes beside the prefills read their splits as split-KV
 does, whether or not the step has cascade groups (cascade's bits are split-KV's). In deterministic mode a replay
 gives the eager step's bits: a row's result depends on the padding around it only through torch's GEMM row counts.
@@ -205,19 +205,22 @@ class BlendGraphs:
 
     def replay(self, host: HostStep, key: Key, table: torch.Tensor, last_tokens: torch.Tensor,
                place: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A row-planned step through its key's graph (captured now if this is the key's first step): its logits
-        and the rows (layer-0 layout) its last layer computed, the real prefill rows' only. `place` places the
-        plan's K/V; it runs after any warm-up, right before the replay."""
+        """A row-planned step through its key's graph: its logits and the rows (layer-0 layout) its last layer
+        computed, the real prefill rows' only. `place` places the plan's K/V before the step. A key's first step
+        runs eagerly over the static inputs (which also compiles what the capture records), then its graph is
+        captured for the key's later steps: the capture records without running, so the step is computed once."""
         static = self.stage(host, key, table, last_tokens)
+        place()
         if static.graph is None:
-            self.model.forward(static.inp, self.kv.layers, place=False)   # compiles outside the capture
+            logits = self.model.forward(static.inp, self.kv.layers, place=False)
+            out = logits[:len(host.logits_indices)], static.inp.row_plan.kept[:self._final(host, key)].clone()
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 static.logits = self.model.forward(static.inp, self.kv.layers, place=False)
             self.pool = graph.pool()
             static.graph, static.kept = graph, static.inp.row_plan.kept
-        place()
+            return out
         static.graph.replay()
         return static.logits[:len(host.logits_indices)], static.kept[:self._final(host, key)].clone()
 
