@@ -25,7 +25,7 @@ registered documents of 512 random tokens, each pinned. Two cases, each after a 
           random order + a 32-token question, 16 output tokens, token budget 8,192: output tokens/s and TTFT p50/p99
           per mode, the modes taking turns in rounds of 128 requests (each submitted at once) after a warm-up: a round
           of 16, then (blends) whole rounds until one captures no new graph (at most RAG2_WARM_ROUNDS); the graphs
-          captured in the timed rounds are counted.
+          each mode captured in the timed rounds are counted (a key's first step there is eager and captures).
 Baselines, in the same process: "plain", the same ids sent as one plain prompt (it hits the prefix cache where the
 ids allow, as any prompt does), and each mode's own roofline (benchmarks/roofline.py, from ceilings measured first):
 the rows each layer actually computes (a blend's check layers at their kept share, its later layers at r) at the
@@ -311,13 +311,15 @@ def test_prefill_bound_rag_workload(benchmark, rag2, ceilings, ckpt):
     ttfts = {name: [] for name in MODES}
     totals = {name: [0, 0.0] for name in MODES}
     paths = {name: Counter() for name in MODES}   # each mode's steps by (kind, eager or graph), timed rounds only
+    captures = Counter()   # each mode's blend graphs captured in the timed rounds (a key's first step)
     warm_captures = captured(runner)
     for _ in range(RAG2_REQUESTS // RAG2_ROUND):
         for name, mode in MODES.items():
             batch = [as_mode(p, mode) for p in prompts(RAG2_ROUND)]
-            launches = Counter(runner.launches)
+            launches, before = Counter(runner.launches), captured(runner)
             t, tokens, seconds = run_round(eng, [p for p, _ in batch], batch[0][1], params)
             paths[name] += Counter(runner.launches) - launches
+            captures[name] += captured(runner) - before
             ttfts[name] += t
             totals[name][0] += tokens
             totals[name][1] += seconds
@@ -326,12 +328,13 @@ def test_prefill_bound_rag_workload(benchmark, rag2, ceilings, ckpt):
         tokens, seconds = totals[name]
         q = statistics.quantiles(ttfts[name], n=100)
         out[name] = dict(tokens_per_s=tokens / seconds, seconds=seconds, ttft_p50_ms=1e3 * q[49],
-                         ttft_p99_ms=1e3 * q[98], steps={f"{k} {p}": n for (k, p), n in sorted(paths[name].items())})
+                         ttft_p99_ms=1e3 * q[98], steps={f"{k} {p}": n for (k, p), n in sorted(paths[name].items())},
+                         timed_captures=captures[name])
     for name, r in out.items():
         r["vs_plain"] = r["tokens_per_s"] / out["plain"]["tokens_per_s"]
         print(f"[prefill-bound rag] {name}: {r['tokens_per_s']:.0f} tok/s ({r['vs_plain']:.2f}x plain), TTFT p50 "
               f"{r['ttft_p50_ms']:.0f} ms, p99 {r['ttft_p99_ms']:.0f} ms over {RAG2_REQUESTS} requests; steps "
-              f"{r['steps']}")
+              f"{r['steps']}, {r['timed_captures']} blend graphs captured")
     out["blend_graph_captures"] = dict(warm_up=warm_captures, timed=captured(runner) - warm_captures)
     print(f"[prefill-bound rag] blend graphs captured: {warm_captures} in the warm-up, "
           f"{out['blend_graph_captures']['timed']} more in the timed rounds")
