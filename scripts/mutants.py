@@ -227,12 +227,16 @@ MUTANTS = [
            "deterministic decodes' 64-row tiles also take 64-key tiles: their online softmax rounds differently from "
            "the prefill's, so a token's bits depend on which computed it"),
     Mutant("three_stages_beyond_hopper_decode_tiles", "chunkwise/kernels/paged_attention.py::tile_config",
-           "        stages = 3 if (block_m == 64 or block_m == rows == 128) and shared_memory >= HOPPER_SHARED_MEMORY else 2\n",
+           "        stages = 3 if block_m == rows <= 128 and shared_memory >= HOPPER_SHARED_MEMORY else 2   # not a group's\n",
            "        stages = 3 if block_m <= 128 else 2\n",
-           "the third pipeline stage, measured for Hopper's 64- and 128-row tiles, goes to GPUs with less shared memory "
-           "too, where the tiles' buffers no longer fit"),
+           "the third pipeline stage, measured for Hopper's 64- and 128-row tiles, goes to GPUs with less shared "
+           "memory too, where the tiles' buffers no longer fit"),
+    Mutant("capped_tiles_third_stage_past_the_limit_only", "chunkwise/kernels/paged_attention.py::tile_config",
+           "        stages = 3 if block_m == rows <= 128 and shared_memory >= HOPPER_SHARED_MEMORY else 2   # not a group's\n",
+           "        stages = 3 if block_m == rows <= 128 and shared_memory > HOPPER_SHARED_MEMORY else 2\n",
+           "a device with exactly Hopper's shared memory threshold keeps capped tiles on two stages"),
     Mutant("three_stages_for_256_row_tiles", "chunkwise/kernels/paged_attention.py::tile_config",
-           "        stages = 3 if (block_m == 64 or block_m == rows == 128) and shared_memory >= HOPPER_SHARED_MEMORY else 2\n",
+           "        stages = 3 if block_m == rows <= 128 and shared_memory >= HOPPER_SHARED_MEMORY else 2   # not a group's\n",
            "        stages = 3 if block_m <= 256 and shared_memory >= HOPPER_SHARED_MEMORY else 2\n",
            "the plain prefill's 256-row tiles take the third stage too, whose buffers overflow Hopper's shared memory"),
     Mutant("busy_decodes_stay_pipelined", "chunkwise/kernels/paged_attention.py::tile_config",

@@ -296,7 +296,8 @@ def test_tiles_take_256_rows_only_where_shared_memory_holds_them_and_capped_ones
             for smem in (0, 227 * 1024)] == [(128, 128, 4, 2)] * 2
     # capped 128-row tiles (a blend's rows, split prefills) pipeline a third stage on Hopper only; 256 rows keep two
     assert [pa.tile_config(128, 2, torch.bfloat16, smem, max_rows=128)
-            for smem in (0, 164 * 1024, 227 * 1024)] == [(128, 128, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3)]
+            for smem in (0, 164 * 1024, pa.HOPPER_SHARED_MEMORY - 1, pa.HOPPER_SHARED_MEMORY, 227 * 1024)] == \
+        [(128, 128, 8, 2)] * 3 + [(128, 128, 8, 3)] * 2
     assert pa.tile_config(128, 2, torch.bfloat16, 227 * 1024)[3] == 2
     assert pa.tile_config(128, 2, torch.float32, 227 * 1024)[0] == 64
 

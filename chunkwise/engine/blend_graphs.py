@@ -5,22 +5,23 @@ the logits. Eagerly its check layers cost some 35 launches each, far more than t
 A graph's key is (prefill rows, decode rows, check layers, prefill rows kept after each): the rows of the layers up
 to the last check layer padded to `head_bucket` (coarser above 2,048 rows: a few layers' work), the decodes to the
 next power of two (and to DECODE_PAD_SHARE's share of the prefill rows), the rows kept after the last check layer
-(every later layer's) to `tail_bucket`. The
-layout is a mixed graph's (chunkwise/engine/cuda_graphs.py): prefill rows first (real, then padding that belongs to
-no sequence and stores nothing), then the decodes (real, then padding: one token, row 0 of the tables), PREFILL_SEQS
-prefilling sequences. A check layer selects on the device (`row_plan.select_padded`): rows grouped by segment and
-ranked by deviation with two stable sorts, each segment keeping the count fixed on the host, padding rows in a
-segment of their own that keeps none; the real kept rows come first, as the eager step orders them, then rows
-not kept fill the bucket as padding (slot -1, past every sequence's query_start_loc). The host stages each step's
-rows, segments, keep counts and query_start_locs into the key's static inputs (numpy, one copy per dtype) and never
-waits for the selection: only `kept`, the rows the last layer computed, is read back, by the report, later.
+(every later layer's) to `tail_bucket`. The layout is a mixed graph's (chunkwise/engine/cuda_graphs.py): prefill
+rows first (real, then padding that belongs to no sequence and stores nothing), then the decodes (real, then
+padding: one token, row 0 of the tables), PREFILL_SEQS prefilling sequences. A check layer selects on the device
+(`row_plan.select_padded`): rows grouped by segment and ranked by deviation with two stable sorts, each segment
+keeping the count fixed on the host, padding rows in a segment of their own that keeps none; the real kept rows come
+first, as the eager step orders them, then rows not kept fill the bucket as padding (slot -1, past every sequence's
+query_start_loc). The host stages each step's rows, segments, keep counts and query_start_locs into the key's static
+inputs (numpy, one copy per dtype) and never waits for the selection: only `kept`, the rows the last layer computed,
+is read back, by the report, later.
 
-The K/V placement (`Model.place`, one launch per RoPE config) runs before the replay, outside the graph: its
-source and destination counts vary per step. A key's first step runs eagerly over the static inputs, and its graph
-is captured right after (recorded, not run: the step is computed once). One device only (no tensor parallelism: `tensor_parallel_size > 1`
-refuses blending by name, chunkwise/engine/frontend.py). Decodes beside the prefills read their splits as split-KV
-does, whether or not the step has cascade groups (cascade's bits are split-KV's). In deterministic mode a replay
-gives the eager step's bits: a row's result depends on the padding around it only through torch's GEMM row counts.
+The K/V placement (`Model.place`, one launch per RoPE config) runs before the replay, outside the graph: its source
+and destination counts vary per step. A key's first step runs eagerly over the static inputs, and its graph is
+captured right after (recorded, not run: the step is computed once). One device only (no tensor parallelism:
+`tensor_parallel_size > 1` refuses blending by name, chunkwise/engine/frontend.py). Decodes beside the prefills read
+their splits as split-KV does, whether or not the step has cascade groups (cascade's bits are split-KV's). In
+deterministic mode a replay gives the eager step's bits: a row's result depends on the padding around it only
+through torch's GEMM row counts.
 """
 from __future__ import annotations
 

@@ -52,9 +52,10 @@ def tile_config(head_dim, group, dtype, shared_memory=0, max_rows=256, busy=Fals
     device whose blocks may take `shared_memory` bytes (0: the CPU's interpreter); max_rows (64, 128 or 256) caps
     the rows where the GQA group allows. busy: a decode batch with programs enough for two an SM (`paged_decode`).
 
-    256 rows on Hopper, 128 elsewhere; 64 rows (one warpgroup) for one-token queries, on three stages on Hopper
-    (one when busy), as capped 128-row tiles are there (a blend's scattered rows, small prefills' splits); fp32
-    tiles of 128 rows overflow shared memory, and d256 keeps small tiles for registers.
+    256 rows on Hopper, 128 elsewhere; 64 rows (one warpgroup) for one-token queries. On Hopper, tiles capped at
+    64 or 128 rows (one-token queries; a blend's scattered rows, small prefills' splits) take three stages (one
+    when busy), unless a GQA group's rows outgrow the cap; fp32 tiles of 128 rows overflow shared memory, and d256
+    keeps small tiles for registers.
     Every choice gives a row the 128-row tiles' bits on every shape measured; 16- or 32-row tiles do not (with
     tl.sum's row sums; with row sums by dot they do: decode_tile_config). Measurements: docs/BENCHMARKS.md,
     "Behind the code: tile_config".
@@ -62,7 +63,7 @@ def tile_config(head_dim, group, dtype, shared_memory=0, max_rows=256, busy=Fals
     if head_dim <= 128 and dtype != torch.float32:
         rows = 256 if shared_memory >= HOPPER_SHARED_MEMORY and max_rows >= 256 else min(128, max_rows)
         block_m = max(rows, next_power_of_2(group))
-        stages = 3 if (block_m == 64 or block_m == rows == 128) and shared_memory >= HOPPER_SHARED_MEMORY else 2
+        stages = 3 if block_m == rows <= 128 and shared_memory >= HOPPER_SHARED_MEMORY else 2   # not a group's
         if stages == 3 and busy:
             stages = 1
         return block_m, 128, 8 if rows >= 128 else 4, stages
