@@ -255,8 +255,9 @@ def test_mixed_steps_replay_graphs_with_the_eager_engines_bits_in_deterministic_
 def test_blended_prefills_replay_blend_graphs_with_the_eager_engines_bits_in_deterministic_mode(blend):
     """On the GPU, a blended prefill's whole step goes through a blend graph (counted in the runner's launches): a
     key's first step eagerly over its static inputs while its graph is captured, its later steps replayed (a second
-    round of prompts of the same lengths). A deterministic bf16 engine's tokens and K/V equal an eager one's bit for
-    bit in both rounds."""
+    round of prompts of the same lengths). A deterministic bf16 engine's tokens, K/V and chunk_reuse reports equal an
+    eager one's bit for bit in both rounds. Each launched blended step hands the host its kept rows as a pinned copy
+    made at launch: reading them from the device at postprocess would wait for the step launched after it."""
     from chunkwise.checkpoints import tiny_checkpoint
 
     path = tiny_checkpoint("qwen3", num_hidden_layers=6)
@@ -267,13 +268,23 @@ def test_blended_prefills_replay_blend_graphs_with_the_eager_engines_bits_in_det
     runs = {}
     for eager in (False, True):
         with Engine(path, dtype="bfloat16", deterministic=True, enforce_eager=eager, **kw) as eng:
+            runner, kept = eng.executor.runner, []
+            run = runner.run
+
+            def launch(*args, **kwargs):
+                launched = run(*args, **kwargs)
+                if launched.row_plan is not None:
+                    kept.append(launched.row_plan[1])
+                return launched
+            runner.run = launch
             chunks = [eng.register_chunk(d, pin=True) for d in docs]
             prompts = [[[5, 6], *chunks, [7, 8, 9]], [[10], chunks[2], chunks[0], [11]]]
             again = [[[6, 5], *chunks, [9, 8, 7]], [[12], chunks[2], chunks[0], [13]]]   # the same keys
-            outs = [o.token_ids for p in (prompts, again) for o in eng.generate(p, params, use_tqdm=False, reuse=blend)]
-            runner = eng.executor.runner
+            outs = [(o.token_ids, [(r.num_tokens, r.exact, r.blended, r.recomputed) for r in o.chunk_reuse])
+                    for p in (prompts, again) for o in eng.generate(p, params, use_tqdm=False, reuse=blend)]
             captured = sum(static.graph is not None for static in runner.blend_graphs.statics.values())
             runs[eager] = outs, eng.prefill_kv(prompts[0], reuse=blend), runner.launches, captured
+            assert kept and all(k.device.type == "cpu" and k.is_pinned() for k in kept), [k.device for k in kept]
     (tokens, kv, launches, captured), (eager_tokens, eager_kv, eager_launches, _) = runs[False], runs[True]
     assert launches["blend", "graph"] > captured > 0 and not eager_launches["blend", "graph"], (launches, captured)
     assert tokens == eager_tokens

@@ -53,7 +53,9 @@ class Launched:
     host_tokens: torch.Tensor     # int64 [N], argmax of each row (pinned on GPU)
     ready: torch.cuda.Event | None
     needs_logits: bool            # HostStep's: a row's token or logprobs come from the logits on the host
-    row_plan: tuple[HostRows, torch.Tensor] | None = None   # the step's row plan and its kept rows (layer 0's)
+    # The step's row plan and the rows (layer-0 layout) its last layer computed: on the host, complete once `ready`
+    # has passed, as `host_tokens` are.
+    row_plan: tuple[HostRows, torch.Tensor] | None = None
 
 
 def fill_pending(ids: torch.Tensor, pending: torch.Tensor, src: torch.Tensor, last_tokens: torch.Tensor) -> None:

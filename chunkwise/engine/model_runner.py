@@ -229,10 +229,12 @@ class ModelRunner:
         host, sampled = self.prepare(batch)
         logits, tokens = (self._logits_and_tokens(host) if dispatch is None
                           else dispatch(host, lambda: self._logits_and_tokens(host)))
+        # The kept rows travel with the tokens: a blocking copy at postprocess would wait for the step launched
+        # after this one too, and under overlap the device would idle while the host prepares the next.
+        kept = None if host.row_plan is None else self.last_row_plan.kept
         ready = None
         if self.device.type == "cuda":
-            host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host_tokens.copy_(tokens, non_blocking=True)
+            host_tokens, kept = (self._to_host(t) if t is not None else None for t in (tokens, kept))
             ready = torch.cuda.Event()
             ready.record()
         else:
@@ -240,8 +242,15 @@ class ModelRunner:
         # Only greedy tokens can feed the next step before sampling: a drawn token exists only after it.
         self.last_tokens = tokens
         self.last_rows = {s.seq_id: i for i, s in enumerate(sampled) if s.sampling_params.greedy}
-        rows = None if host.row_plan is None else (host.row_plan, self.last_row_plan.kept)
+        rows = None if kept is None else (host.row_plan, kept)
         return Launched(sampled, logits, host_tokens, ready, host.needs_logits, rows)
+
+    @staticmethod
+    def _to_host(t: torch.Tensor) -> torch.Tensor:
+        """A pinned host copy of `t`, launched (complete once an event recorded after it has passed)."""
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        return out
 
     @torch.inference_mode()
     def run_host(self, host: HostStep) -> None:

@@ -86,8 +86,8 @@ class Blender:
 
     def report(self, rows: HostRows, kept: torch.Tensor) -> None:
         """Each blended prefill's ChunkReuse of a sampled step (`rows` its plan, `kept` the rows (layer-0 layout)
-        its forward computed at the last layer)."""
-        kept = kept.cpu().numpy()
+        its forward computed at the last layer, a host tensor the step's sampling has waited for)."""
+        kept = kept.numpy()
         for seq_id, first in rows.first_rows.items():
             record = self.records.get(seq_id)
             if record is not None:   # else finished since
