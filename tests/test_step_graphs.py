@@ -285,7 +285,7 @@ def test_blended_prefills_replay_blend_graphs_with_the_eager_engines_bits_in_det
             captured = sum(static.graph is not None for static in runner.blend_graphs.statics.values())
             runs[eager] = outs, eng.prefill_kv(prompts[0], reuse=blend), runner.launches, captured
             assert kept and all(k.device.type == "cpu" and k.is_pinned() for k in kept), [k.device for k in kept]
-    (tokens, kv, launches, captured), (eager_tokens, eager_kv, eager_launches, _) = runs[False], runs[True]
+    (outs, kv, launches, captured), (eager_outs, eager_kv, eager_launches, _) = runs[False], runs[True]
     assert launches["blend", "graph"] > captured > 0 and not eager_launches["blend", "graph"], (launches, captured)
-    assert tokens == eager_tokens
+    assert outs == eager_outs
     assert all(torch.equal(a, b) for a, b in zip(kv, eager_kv))

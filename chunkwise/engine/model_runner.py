@@ -223,7 +223,8 @@ class ModelRunner:
     # ---- forward -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, batch, dispatch: Callable[[HostStep, Callable[[], Forward]], Forward] | None = None) -> Launched:
-        """Launch one step's forward and its greedy tokens' copy to the host; waits for nothing on the device.
+        """Launch one step's forward and the copy to the host of its greedy tokens (and of a row-planned step's kept
+        rows); waits for nothing on the device.
         `dispatch(host, forward)` runs the prepared step's forward (the executor's: under tensor parallelism it
         first sends the step to the other ranks)."""
         host, sampled = self.prepare(batch)
@@ -234,7 +235,9 @@ class ModelRunner:
         kept = None if host.row_plan is None else self.last_row_plan.kept
         ready = None
         if self.device.type == "cuda":
-            host_tokens, kept = (self._to_host(t) if t is not None else None for t in (tokens, kept))
+            host_tokens = self._to_host(tokens)
+            if kept is not None:
+                kept = self._to_host(kept)
             ready = torch.cuda.Event()
             ready.record()
         else:
