@@ -3,6 +3,11 @@ same process, same prompts (GPU; issues #28 §5, #49 §3).
 
     pytest --benchmark-only benchmarks/bench_blend_speed.py -s
     BENCH_BLEND_SPEED_JSON=out/speed.json pytest --benchmark-only benchmarks/bench_blend_speed.py -k ttft -s
+    pytest --benchmark-only benchmarks/bench_blend_speed.py -k prefill_bound -s   # the README's RAG figures
+
+The prefill-bound RAG case's engine takes what GPU memory the module's first engine leaves (to 0.9 in all): run
+alone it has about twice the KV pages it has beside the other cases, and its steps differ (blend r=0.5 ran 232
+blended steps beside them against 132 alone, docs/BENCHMARKS.md, session 39); compare runs made the same way.
 
 With CHUNKWISE_BENCH_BREAKDOWN=1 the ttft case then runs one more request per mode under StepTimer (the device
 synchronised after each forward) and the torch profiler: where its time goes, per step and phase, how much of it
