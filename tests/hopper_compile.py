@@ -87,9 +87,8 @@ def cases():
     """(name, launch): a few of the engines' Hopper configurations (a compile takes 2-60 s on a CPU, so not
     every dtype and shape): prefill attention's 256-row bf16 tiles, its 128-row tiles with explicit positions and
     the context split (as a blend's rows take them) and with the context split (as the engine's short steps take
-    them), and the 256-row tiles with row sums by dot
-    (deterministic mode's), one-token decodes' 64 rows and deterministic mode's 16, split-KV's largest (fp32 d256)
-    and cascade's shared-split tiles."""
+    them), and the 256-row tiles with row sums by dot (deterministic mode's), one-token decodes' 64 rows and
+    deterministic mode's 16, split-KV's largest (fp32 d256) and cascade's shared-split tiles."""
     gen = torch.Generator().manual_seed(0)
     q, c = _batch(16, 8, 128, torch.bfloat16, [600, 40], gen)
     yield "paged_attention bf16 16q/8kv d128", lambda: paged_attention(

@@ -214,16 +214,18 @@ class BlendGraphs:
         place()
         if static.graph is None:
             logits = self.model.forward(static.inp, self.kv.layers, place=False)
-            out = logits[:len(host.logits_indices)], static.inp.row_plan.kept[:self._final(host, key)].clone()
+            kept = static.inp.row_plan.kept   # this step's: the capture below rebinds the plan's to the graph's
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 static.logits = self.model.forward(static.inp, self.kv.layers, place=False)
             self.pool = graph.pool()
             static.graph, static.kept = graph, static.inp.row_plan.kept
-            return out
-        static.graph.replay()
-        return static.logits[:len(host.logits_indices)], static.kept[:self._final(host, key)].clone()
+        else:
+            static.graph.replay()
+            logits, kept = static.logits, static.kept
+        # kept copied: a replay overwrites the graph's
+        return logits[:len(host.logits_indices)], kept[:self._final(host, key)].clone()
 
     def static_forward(self, host: HostStep, table: torch.Tensor, last_tokens: torch.Tensor,
                        place: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -165,7 +165,7 @@ class Scheduler:
             if plan.full:
                 break
             if seq.status is SequenceStatus.RUNNING:   # not preempted earlier in this loop
-                self._reserve(seq, 1, plan)
+                self._reserve(seq, 1, plan, 1)
         cap = self.engine_config.max_prefill_tokens_with_decodes
         if plan.tokens and cap is not None:
             plan.prefill_cap = cap
@@ -219,8 +219,8 @@ class Scheduler:
             return -1, 0
         return 0, 0
 
-    def _reserve(self, seq: Sequence, n: int, plan: _Plan, counted: int = 1) -> bool:
-        """Pages for n more tokens of running seq (`counted` rows of the budget: a decode's one by default),
+    def _reserve(self, seq: Sequence, n: int, plan: _Plan, counted: int) -> bool:
+        """Pages for n more tokens of running seq, `counted` rows of the budget (`_chunk`'s count; a decode's 1),
         preempting the newest running seqs; False if seq itself was."""
         bm = self.page_pool
         while not bm.can_allocate(seq, n):

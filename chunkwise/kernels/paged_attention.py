@@ -63,7 +63,8 @@ def tile_config(head_dim, group, dtype, shared_memory=0, max_rows=256, busy=Fals
     if head_dim <= 128 and dtype != torch.float32:
         rows = 256 if shared_memory >= HOPPER_SHARED_MEMORY and max_rows >= 256 else min(128, max_rows)
         block_m = max(rows, next_power_of_2(group))
-        stages = 3 if block_m == rows <= 128 and shared_memory >= HOPPER_SHARED_MEMORY else 2   # not a group's
+        # a capped tile its cap's rows fill (not one a GQA group widened) pipelines a third stage on Hopper
+        stages = 3 if block_m == rows <= 128 and shared_memory >= HOPPER_SHARED_MEMORY else 2
         if stages == 3 and busy:
             stages = 1
         return block_m, 128, 8 if rows >= 128 else 4, stages
