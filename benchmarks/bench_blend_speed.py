@@ -52,7 +52,7 @@ import torch
 from benchmarks.bench_engine import QWEN3_0_6B_SHAPE, ceilings, ckpt  # noqa: F401  (fixtures: the same model, ceilings measured once)
 from benchmarks.roofline import ModelCost, layered_prefill, workload_roofline
 from chunkwise.chunks import Blend
-from chunkwise.engine.blend import kept_counts, num_kept
+from chunkwise.engine.blend import computed_candidates
 from chunkwise.engine import Engine, SamplingParams
 from chunkwise.model_config import ModelConfig
 
@@ -115,9 +115,8 @@ def keep(benchmark, case: str, out: dict) -> None:
 
 def computed_rows(mode, reuse, num_cached: int, prompt_len: int, num_layers: int) -> tuple[list[int], int]:
     """(rows computed at each layer, tokens whose K/V were moved into place) of one request, from its reuse report
-    and the blend's rules (chunkwise/engine/blend.py): plain and exact compute every uncached row at every layer;
-    "chunk-heads" its fixed rows and chunk heads; "kv-deviation" every candidate at layer 0, k(r_l) of them at check
-    layer l, k(r) after."""
+    and the blend's rules (chunkwise/engine/blend/policy.py): plain and exact compute every uncached row at every
+    layer; "chunk-heads" its fixed rows and chunk heads; "kv-deviation" its fixed rows and `computed_candidates`."""
     if not isinstance(mode, Blend):
         return [prompt_len - num_cached] * num_layers, 0
     n = sum(r.blended + r.recomputed for r in reuse if r.chunk is not None)   # candidates: chunk rows not exact
@@ -127,8 +126,7 @@ def computed_rows(mode, reuse, num_cached: int, prompt_len: int, num_layers: int
     r = mode.recompute_ratio
     if r == 0:
         return [fixed] * num_layers, n
-    checks = [fixed + k for k in kept_counts(r, n, num_layers)]
-    return [fixed + n] + checks + [fixed + num_kept(r, n)] * (num_layers - 1 - len(checks)), n
+    return [fixed + k for k in computed_candidates(r, n, num_layers)], n
 
 
 def mode_roofline(mode, reuse, num_cached, prompt_len, cfg, cost, ceilings) -> dict:

@@ -669,9 +669,9 @@ MUTANTS = [
            "        if counted <= plan.budget and want <= plan.rows:\n",
            "        if counted <= plan.budget and want < plan.rows:\n",
            "a blended prefill whose rows fill the step's max_blended_rows exactly waits for a later step"),
-    Mutant("blend_count_skips_the_check_layers", "chunkwise/engine/blend/planning.py::layer_rows",
-           "    return [rows] + [fixed + k for k in kept] + [fixed + kept[-1]] * (num_layers - 1 - len(kept))\n",
-           "    return [rows] + [fixed + kept[-1]] * (num_layers - 1)\n",
+    Mutant("blend_count_skips_the_check_layers", "chunkwise/engine/blend/policy.py::computed_candidates",
+           "    return [n, *kept] + [kept[-1]] * (num_layers - 1 - len(kept)) if kept else [n] * num_layers\n",
+           "    return [n] + [kept[-1]] * (num_layers - 1) if kept else [n] * num_layers\n",
            "the scheduler's count of a kv-deviation blend takes its check layers at the final ratio, not the gradual "
            "filter's larger shares"),
     Mutant("blend_count_takes_a_chunks_partial_page", "chunkwise/engine/blend/planning.py::layer_rows",

@@ -9,8 +9,9 @@
 """
 from chunkwise.engine.blend.blender import Blender
 from chunkwise.engine.blend.planning import BlendJob, layer_rows, plan_blend
-from chunkwise.engine.blend.policy import MAX_CHECK_LAYERS, check_layers, check_ratios, kept_counts, num_kept
+from chunkwise.engine.blend.policy import (MAX_CHECK_LAYERS, check_layers, check_ratios, computed_candidates,
+                                           kept_counts, num_kept)
 from chunkwise.engine.blend.report import blend_report
 
-__all__ = ["Blender", "BlendJob", "MAX_CHECK_LAYERS", "blend_report", "check_layers", "check_ratios", "kept_counts",
-           "layer_rows", "num_kept", "plan_blend"]
+__all__ = ["Blender", "BlendJob", "MAX_CHECK_LAYERS", "blend_report", "check_layers", "check_ratios",
+           "computed_candidates", "kept_counts", "layer_rows", "num_kept", "plan_blend"]

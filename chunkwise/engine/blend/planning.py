@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from chunkwise.chunks import Blend, Piece
-from chunkwise.engine.blend.policy import check_layers, kept_counts
+from chunkwise.engine.blend.policy import check_layers, computed_candidates, kept_counts
 from chunkwise.engine.row_plan import RowPlan
 
 
@@ -47,10 +47,7 @@ def layer_rows(params: Blend, pieces: tuple[Piece, ...], start: int, num_layers:
         return [fixed + heads] * num_layers
     if params.recompute_ratio == 0 or candidates == 0:
         return [fixed] * num_layers
-    kept = kept_counts(params.recompute_ratio, candidates, num_layers)
-    if not kept:   # one layer: every row computed
-        return [rows] * num_layers
-    return [rows] + [fixed + k for k in kept] + [fixed + kept[-1]] * (num_layers - 1 - len(kept))
+    return [fixed + k for k in computed_candidates(params.recompute_ratio, candidates, num_layers)]
 
 
 @dataclass(frozen=True)

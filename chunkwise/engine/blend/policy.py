@@ -33,6 +33,13 @@ def kept_counts(r: float, n: int, num_layers: int) -> tuple[int, ...]:
     return tuple(itertools.accumulate((num_kept(x, n) for x in check_ratios(r, num_layers)), min))
 
 
+def computed_candidates(r: float, n: int, num_layers: int) -> list[int]:
+    """Candidates of n a "kv-deviation" blend computes at each layer: all at layer 0, k(r_l) at check layer l, the
+    last check layer's k after it (a one-layer model computes all)."""
+    kept = kept_counts(r, n, num_layers)
+    return [n, *kept] + [kept[-1]] * (num_layers - 1 - len(kept)) if kept else [n] * num_layers
+
+
 def check_ratios(r: float, num_layers: int) -> list[float]:
     """r_l for the check layers l = 1..C of "kv-deviation": from r (1 + (C - 1) / C) down to r."""
     c = min(MAX_CHECK_LAYERS, num_layers - 1)
